@@ -1,0 +1,51 @@
+//! The runtime of [idem](https://docs.rs/idem): keys, records, the [`Store`] trait, the
+//! idempotency protocol and the stores.
+//!
+//! Most users depend on the `idem` crate and write `#[idempotent]`; this crate is what
+//! the attribute calls, and what a custom store implements. Where to find things:
+//!
+//! | concept | module |
+//! |---|---|
+//! | key derivation, canonical input, fingerprint | [`key`] |
+//! | records and their encoding | [`record`] |
+//! | the `Store` trait and the claim rule | [`store`] |
+//! | the protocol (claim → run → complete / release) | [`protocol`] |
+//! | per-tool options (TTL, lease, waiting, delivery) | [`options`] |
+//! | the run context, `current_key`, the default store | [`run`] |
+//! | the stores | [`MemoryStore`], [`SledStore`] |
+//! | removing expired records in the background | [`sweeper`] |
+//! | the store conformance suite (feature `testing`) | `testing` |
+//!
+//! # Logging
+//!
+//! idem logs through [`tracing`]: `debug` for misses, hits and waits, `info` for a
+//! takeover after a crash, `warn` for payload mismatches, lost leases and unknown
+//! outcomes.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod error;
+pub mod key;
+pub mod options;
+pub mod protocol;
+pub mod record;
+pub mod run;
+pub mod store;
+pub mod sweeper;
+#[cfg(feature = "testing")]
+pub mod testing;
+mod wait;
+
+pub use error::Error;
+pub use key::{Fingerprint, Key, KeyParts};
+pub use options::{Delivery, OnBusy, Options};
+pub use protocol::{
+    execute, execute_blocking, CacheErrors, Call, ErrorPolicy, ReleaseErrors, Replayable,
+    ToolOutput,
+};
+pub use record::{Record, State, Timestamp, Token};
+pub use run::{current_key, default_store, default_store_dir, set_default_store, Run};
+pub use store::memory::MemoryStore;
+pub use store::sled::SledStore;
+pub use store::Store;

@@ -1,0 +1,269 @@
+//! Records: what a store keeps under a key, and their byte encoding.
+//!
+//! # Encoding (format version 1)
+//!
+//! ```text
+//! offset  size  field
+//! 0       4     magic "idem"
+//! 4       1     format version (1)
+//! 5       1     state: 0 in progress, 1 completed, 2 failed
+//! 6       32    input fingerprint (SHA-256)
+//! 38      8     created at, ms since the Unix epoch, big-endian
+//! 46      8     expires at, ms since the Unix epoch, big-endian
+//! 54      ..    in progress: owner token (16 bytes) + lease until (8 bytes)
+//!               completed / failed: the serialized result / error (JSON), to the end
+//! ```
+//!
+//! Bytes that do not start with the magic, are too short, or carry an unknown state are
+//! an [`Error::CorruptRecord`]; a known magic with an unknown version is an
+//! [`Error::UnsupportedFormat`]. Both name the key. Decoding never panics.
+
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::{Error, Fingerprint};
+
+/// A point in time: milliseconds since the Unix epoch, by the clock of whoever wrote it.
+///
+/// The memory and sled stores use the process clock ([`Timestamp::now`]); a store
+/// shared by several machines documents which clock it uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Timestamp(pub u64);
+
+impl Timestamp {
+    /// The process clock now. A clock set before 1970 reads as 0.
+    pub fn now() -> Self {
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        Timestamp(ms)
+    }
+
+    /// This time plus `d`, saturating instead of overflowing.
+    pub fn after(self, d: Duration) -> Self {
+        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        Timestamp(self.0.saturating_add(ms))
+    }
+
+    /// How long from `now` until this time (zero if it has passed).
+    pub fn remaining(self, now: Timestamp) -> Duration {
+        Duration::from_millis(self.0.saturating_sub(now.0))
+    }
+}
+
+/// Identifies one claim of a key: the fencing token.
+///
+/// A fresh random token is drawn for every call. Completing or releasing a key requires
+/// the token of its current in-progress record, so an owner whose lease was taken over
+/// cannot overwrite the new owner's result.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token(pub u128);
+
+impl Token {
+    /// Draws a random token from the operating system.
+    pub fn generate() -> Result<Self, Error> {
+        let mut bytes = [0u8; 16];
+        getrandom::fill(&mut bytes).map_err(|e| Error::store("token", e.to_string()))?;
+        Ok(Token(u128::from_be_bytes(bytes)))
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Token({:08x}…)", (self.0 >> 96) as u32)
+    }
+}
+
+/// The state of a key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// A call claimed the key and is running (or crashed) ; nobody else runs it until
+    /// `lease_until` passes.
+    InProgress {
+        /// The claiming call's fencing token.
+        token: Token,
+        /// When the claim is considered abandoned.
+        lease_until: Timestamp,
+    },
+    /// The call returned `Ok`; its value, serialized as JSON.
+    Completed {
+        /// The serialized value.
+        result: Vec<u8>,
+    },
+    /// The call returned `Err` and the tool caches errors; the error, serialized as JSON.
+    Failed {
+        /// The serialized error.
+        error: Vec<u8>,
+    },
+}
+
+/// What a store keeps under a key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Fingerprint of the whole input of the call that created the record.
+    pub fingerprint: Fingerprint,
+    /// When the record was written.
+    pub created_at: Timestamp,
+    /// When the record stops existing. Every read path treats an expired record as absent.
+    pub expires_at: Timestamp,
+    /// In progress, completed or failed.
+    pub state: State,
+}
+
+const MAGIC: &[u8; 4] = b"idem";
+/// The record format version this build writes.
+pub const FORMAT_VERSION: u8 = 1;
+const HEADER: usize = 4 + 1 + 1 + 32 + 8 + 8;
+
+impl Record {
+    /// Whether the record has expired at `now` (and so must be treated as absent).
+    pub fn is_expired(&self, now: Timestamp) -> bool {
+        self.expires_at <= now
+    }
+
+    /// Encodes the record (see the module docs for the layout).
+    pub fn encode(&self) -> Vec<u8> {
+        let payload = match &self.state {
+            State::InProgress { .. } => 24,
+            State::Completed { result } => result.len(),
+            State::Failed { error } => error.len(),
+        };
+        let mut out = Vec::with_capacity(HEADER + payload);
+        out.extend_from_slice(MAGIC);
+        out.push(FORMAT_VERSION);
+        out.push(match self.state {
+            State::InProgress { .. } => 0,
+            State::Completed { .. } => 1,
+            State::Failed { .. } => 2,
+        });
+        out.extend_from_slice(self.fingerprint.as_bytes());
+        out.extend_from_slice(&self.created_at.0.to_be_bytes());
+        out.extend_from_slice(&self.expires_at.0.to_be_bytes());
+        match &self.state {
+            State::InProgress { token, lease_until } => {
+                out.extend_from_slice(&token.0.to_be_bytes());
+                out.extend_from_slice(&lease_until.0.to_be_bytes());
+            }
+            State::Completed { result: bytes } | State::Failed { error: bytes } => {
+                out.extend_from_slice(bytes)
+            }
+        }
+        out
+    }
+
+    /// Decodes a record read under `key`. Never panics, whatever the bytes.
+    pub fn decode(key: &str, bytes: &[u8]) -> Result<Record, Error> {
+        let corrupt = |reason: &str| Error::CorruptRecord {
+            key: key.to_owned(),
+            reason: reason.to_owned(),
+        };
+        if bytes.len() < 5 || &bytes[..4] != MAGIC {
+            return Err(corrupt("not an idem record (bad magic)"));
+        }
+        if bytes[4] != FORMAT_VERSION {
+            return Err(Error::UnsupportedFormat {
+                key: key.to_owned(),
+                version: bytes[4],
+            });
+        }
+        if bytes.len() < HEADER {
+            return Err(corrupt("truncated header"));
+        }
+        let u64_at = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&bytes[at..at + 8]);
+            u64::from_be_bytes(b)
+        };
+        let mut fp = [0u8; 32];
+        fp.copy_from_slice(&bytes[6..38]);
+        let rest = &bytes[HEADER..];
+        let state = match bytes[5] {
+            0 => {
+                if rest.len() != 24 {
+                    return Err(corrupt("in-progress record of wrong length"));
+                }
+                let mut t = [0u8; 16];
+                t.copy_from_slice(&rest[..16]);
+                State::InProgress {
+                    token: Token(u128::from_be_bytes(t)),
+                    lease_until: Timestamp(u64_at(HEADER + 16)),
+                }
+            }
+            1 => State::Completed {
+                result: rest.to_vec(),
+            },
+            2 => State::Failed {
+                error: rest.to_vec(),
+            },
+            other => return Err(corrupt(&format!("unknown state tag {other}"))),
+        };
+        Ok(Record {
+            fingerprint: Fingerprint::from_bytes(fp),
+            created_at: Timestamp(u64_at(38)),
+            expires_at: Timestamp(u64_at(46)),
+            state,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(state: State) -> Record {
+        Record {
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            created_at: Timestamp(1),
+            expires_at: Timestamp(u64::MAX),
+            state,
+        }
+    }
+
+    #[test]
+    fn every_state_round_trips() {
+        for state in [
+            State::InProgress {
+                token: Token(u128::MAX - 3),
+                lease_until: Timestamp(99),
+            },
+            State::Completed {
+                result: b"{\"id\":1}".to_vec(),
+            },
+            State::Completed { result: vec![] },
+            State::Failed {
+                error: b"\"boom\"".to_vec(),
+            },
+        ] {
+            let r = sample(state);
+            assert_eq!(Record::decode("k", &r.encode()).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn bad_bytes_are_typed_errors_naming_the_key() {
+        let good = sample(State::InProgress {
+            token: Token(1),
+            lease_until: Timestamp(2),
+        })
+        .encode();
+        let mut future = good.clone();
+        future[4] = 9;
+        assert!(matches!(
+            Record::decode("k1", &future),
+            Err(Error::UnsupportedFormat { ref key, version: 9 }) if key == "k1"
+        ));
+        for bad in [&b""[..], b"garbage", &good[..good.len() - 1], &good[..20]] {
+            assert!(matches!(
+                Record::decode("k2", bad),
+                Err(Error::CorruptRecord { ref key, .. }) if key == "k2"
+            ));
+        }
+        let mut tag = good;
+        tag[5] = 7;
+        assert!(matches!(
+            Record::decode("k3", &tag),
+            Err(Error::CorruptRecord { .. })
+        ));
+    }
+}

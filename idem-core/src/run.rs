@@ -1,0 +1,189 @@
+//! The run context: who is calling (run id, tenant, call id) and which store keeps the
+//! records; ambient for a future or a closure, or passed as an argument.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+use crate::{Error, Key, SledStore, Store};
+
+tokio::task_local! {
+    static CURRENT_RUN: Run;
+    pub(crate) static CURRENT_KEY: Key;
+}
+
+/// One agent run: the "who" of every idempotency key, and the store that keeps them.
+///
+/// Cheap to clone (`Arc` inside), `Send + Sync`. Make one per agent run (a conversation,
+/// a job, a workflow execution) with an id that stays the same across that run's
+/// retries, restarts included: retries of the same tool call with the same input inside
+/// one run are deduplicated; another run id runs again.
+///
+/// ```
+/// # async fn demo() {
+/// use idem_core::{MemoryStore, Run};
+///
+/// let run = Run::new("run-42").with_store(MemoryStore::new());
+/// let answer = run.scope(async { /* call idempotent tools here */ 42 }).await;
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Run {
+    inner: Arc<Inner>,
+}
+
+#[derive(Clone)]
+struct Inner {
+    id: Arc<str>,
+    tenant: Option<Arc<str>>,
+    call_id: Option<Arc<str>>,
+    store: Option<Arc<dyn Store>>,
+}
+
+impl Run {
+    /// A run with this id, on the default store (see [`default_store`]).
+    pub fn new(id: impl Into<String>) -> Self {
+        Run {
+            inner: Arc::new(Inner {
+                id: id.into().into(),
+                tenant: None,
+                call_id: None,
+                store: None,
+            }),
+        }
+    }
+
+    /// This run on another store. Stores are cheap handles, taken by value.
+    pub fn with_store(self, store: impl Store) -> Self {
+        self.with_shared_store(Arc::new(store))
+    }
+
+    /// This run on a store already behind an `Arc`.
+    pub fn with_shared_store(self, store: Arc<dyn Store>) -> Self {
+        self.map(|i| i.store = Some(store))
+    }
+
+    /// This run for one tenant (or user). Keys of different tenants never meet, so a
+    /// caller in one tenant never receives a result stored for another, even with the
+    /// same run id, tool and input.
+    pub fn with_tenant(self, tenant: impl Into<String>) -> Self {
+        self.map(|i| i.tenant = Some(tenant.into().into()))
+    }
+
+    /// This run, for one intentional call: calls under different call ids are distinct
+    /// even with the same tool and input, and retries under the same call id are
+    /// deduplicated.
+    ///
+    /// Use it when the same tool with the same input may rightly run twice in one run
+    /// ("send the reminder again"): pass the model's tool-call id, which stays the same
+    /// when your agent framework retries a call and changes when the model asks again.
+    pub fn with_call_id(self, call_id: impl Into<String>) -> Self {
+        self.map(|i| i.call_id = Some(call_id.into().into()))
+    }
+
+    fn map(mut self, f: impl FnOnce(&mut Inner)) -> Self {
+        f(Arc::make_mut(&mut self.inner));
+        self
+    }
+
+    /// The run id.
+    pub fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    /// The tenant, if set.
+    pub fn tenant(&self) -> Option<&str> {
+        self.inner.tenant.as_deref()
+    }
+
+    /// The call id, if set.
+    pub fn call_id(&self) -> Option<&str> {
+        self.inner.call_id.as_deref()
+    }
+
+    /// The store of this run: the one given with [`Run::with_store`], else the default
+    /// store (opened on first use; opening can fail, hence the `Result`).
+    pub fn store(&self) -> Result<Arc<dyn Store>, Error> {
+        match &self.inner.store {
+            Some(store) => Ok(store.clone()),
+            None => default_store(),
+        }
+    }
+
+    /// Runs `future` with this run as the ambient run: idempotent tools called inside
+    /// it (at any depth, in this task) use it.
+    pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {
+        CURRENT_RUN.scope(self.clone(), future)
+    }
+
+    /// Runs `f` with this run as the ambient run (for sync tools).
+    pub fn sync_scope<R>(&self, f: impl FnOnce() -> R) -> R {
+        CURRENT_RUN.sync_scope(self.clone(), f)
+    }
+
+    /// The ambient run, if the caller is inside [`Run::scope`] or [`Run::sync_scope`].
+    pub fn current() -> Option<Run> {
+        CURRENT_RUN.try_with(Run::clone).ok()
+    }
+}
+
+impl std::fmt::Debug for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Run")
+            .field("id", &self.inner.id)
+            .field("tenant", &self.inner.tenant)
+            .field("call_id", &self.inner.call_id)
+            .field("default_store", &self.inner.store.is_none())
+            .finish()
+    }
+}
+
+/// The idempotency key of the call whose body is running, or `None` outside one.
+///
+/// Forward it downstream, so the other side can deduplicate too (Stripe's
+/// `Idempotency-Key` header, an email provider's dedup id). That closes the one window
+/// no client-side record can: a crash after the side effect and before the result is
+/// stored.
+pub fn current_key() -> Option<Key> {
+    CURRENT_KEY.try_with(Key::clone).ok()
+}
+
+/// The environment variable naming the default store's directory.
+pub const DIR_ENV: &str = "IDEM_DIR";
+
+static DEFAULT_STORE: RwLock<Option<Arc<dyn Store>>> = RwLock::new(None);
+
+/// The directory of the default store: `$IDEM_DIR`, else `.idem` in the working
+/// directory (so two projects never share records by accident).
+pub fn default_store_dir() -> PathBuf {
+    std::env::var_os(DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(".idem"))
+}
+
+/// The store used by runs made without [`Run::with_store`]: the one set with
+/// [`set_default_store`], else a [`SledStore`] in [`default_store_dir`], opened on
+/// first use. An open that fails is an error now and is tried again next time.
+pub fn default_store() -> Result<Arc<dyn Store>, Error> {
+    if let Some(store) = DEFAULT_STORE
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+    {
+        return Ok(store.clone());
+    }
+    let mut slot = DEFAULT_STORE.write().unwrap_or_else(|p| p.into_inner());
+    if let Some(store) = slot.as_ref() {
+        return Ok(store.clone());
+    }
+    let store: Arc<dyn Store> = Arc::new(SledStore::open(default_store_dir())?);
+    *slot = Some(store.clone());
+    Ok(store)
+}
+
+/// Replaces the process-wide default store (for runs made without
+/// [`Run::with_store`]).
+pub fn set_default_store(store: impl Store) {
+    *DEFAULT_STORE.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(store));
+}

@@ -1,0 +1,228 @@
+//! The `Store` trait: the contract every store keeps, and the claim decision the
+//! in-process stores share.
+//!
+//! # Contract
+//!
+//! - [`Store::claim`] is one atomic step: of any number of concurrent claims on a key
+//!   (tasks, threads, processes, machines), at most one returns [`Claim::Acquired`]
+//!   while its lease is alive.
+//! - [`Store::complete`] and [`Store::release`] are fenced by the owner's token: they
+//!   change the record only while it is in progress *with that token*.
+//! - An expired record (its `expires_at` has passed) is absent on every read path,
+//!   whatever the physical cleanup ([`Store::purge_expired`], the store's own TTL)
+//!   has done so far.
+//! - Errors are [`Error`]s (usually [`Error::Store`]); no method panics on stored data.
+//!
+//! [`decide_claim`] is the claim rule as a pure function; a store that can run Rust
+//! inside its atomic step (a mutex, a compare-and-swap loop) uses it as is. The
+//! `testing` feature exports a conformance suite (`idem_core::testing`) that checks all
+//! of the above against any store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::record::{Record, State, Timestamp, Token};
+use crate::{Error, Fingerprint, Key};
+
+/// What a caller asks for when it claims a key.
+#[derive(Clone, Copy, Debug)]
+pub struct ClaimRequest {
+    /// Fingerprint of the caller's whole input.
+    pub fingerprint: Fingerprint,
+    /// The caller's fencing token, written into the record if the claim succeeds.
+    pub token: Token,
+    /// How long the claim holds before it is considered abandoned.
+    pub lease: Duration,
+    /// How long the record lives (the claim, and then the result).
+    pub ttl: Duration,
+    /// When the existing claim's lease has expired: take it over (`true`,
+    /// at-least-once) or report it abandoned (`false`, at-most-once).
+    pub take_over_expired: bool,
+    /// When the key holds a cached error: claim it and run again (`true`) or return the
+    /// error (`false`).
+    pub retry_failed: bool,
+}
+
+/// What a claim found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// The caller owns the key now and must run the operation, then complete or release.
+    Acquired {
+        /// Whether an abandoned claim (expired lease) was taken over.
+        took_over: bool,
+    },
+    /// The key completed with this serialized result: replay it.
+    Completed(Vec<u8>),
+    /// The key failed with this serialized error (errors are cached): replay it.
+    Failed(Vec<u8>),
+    /// Another call holds the key until `lease_until`.
+    Busy {
+        /// When the other call's lease runs out.
+        lease_until: Timestamp,
+    },
+    /// An earlier claim's lease expired without an outcome, and the request does not
+    /// take over abandoned claims: the outcome is unknown.
+    Abandoned,
+    /// The key belongs to a different input.
+    Mismatch,
+}
+
+/// The outcome to store when completing a key.
+#[derive(Clone, Copy, Debug)]
+pub enum Outcome<'a> {
+    /// The serialized `Ok` value.
+    Completed(&'a [u8]),
+    /// The serialized `Err` value (only when the tool caches errors).
+    Failed(&'a [u8]),
+}
+
+/// Whether a fenced write found the caller still owning the key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fenced {
+    /// The caller's token matched; the write was applied.
+    Applied,
+    /// The key is no longer in progress with the caller's token (taken over, expired,
+    /// deleted); nothing was written.
+    LostLease,
+}
+
+/// A place to keep idempotency records. Object-safe: stores are used as `Arc<dyn Store>`.
+///
+/// Implement it to plug in your own store, and check the implementation with the
+/// conformance suite (`idem_core::testing`, feature `testing`).
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Atomically claims `key`, or reports what holds it (see [`decide_claim`]).
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error>;
+
+    /// Records the outcome of the claim `token` holds; the record then lives for `ttl`.
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error>;
+
+    /// Removes the claim `token` holds, so the next call runs again.
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error>;
+
+    /// The live record under `key`, if any (expired records are `None`).
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error>;
+
+    /// Removes the record under `key`, whatever its state. Returns whether a live record
+    /// was there. Use it to resolve an [`Error::OutcomeUnknown`] by hand.
+    async fn delete(&self, key: &Key) -> Result<bool, Error>;
+
+    /// Physically removes expired records; returns how many were removed.
+    async fn purge_expired(&self) -> Result<u64, Error>;
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> Store for Arc<S> {
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        (**self).claim(key, request).await
+    }
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        (**self).complete(key, token, outcome, ttl).await
+    }
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        (**self).release(key, token).await
+    }
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        (**self).get(key).await
+    }
+    async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        (**self).delete(key).await
+    }
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        (**self).purge_expired().await
+    }
+}
+
+/// The claim rule. Given the record currently under the key (`None` if absent), returns
+/// what the claim found and, if the store must write, the record to write.
+///
+/// - absent or expired → write a fresh in-progress record: `Acquired`
+/// - different fingerprint → `Mismatch` (nothing written)
+/// - completed → `Completed`; failed → `Failed`, or re-claimed when `retry_failed`
+/// - in progress, lease alive → `Busy`
+/// - in progress, lease expired → re-claimed with the new token when
+///   `take_over_expired`, else `Abandoned`
+pub fn decide_claim(
+    existing: Option<&Record>,
+    request: &ClaimRequest,
+    now: Timestamp,
+) -> (Claim, Option<Record>) {
+    let fresh = || Record {
+        fingerprint: request.fingerprint,
+        created_at: now,
+        expires_at: now.after(request.ttl),
+        state: State::InProgress {
+            token: request.token,
+            lease_until: now.after(request.lease),
+        },
+    };
+    let existing = match existing {
+        Some(r) if !r.is_expired(now) => r,
+        _ => return (Claim::Acquired { took_over: false }, Some(fresh())),
+    };
+    if existing.fingerprint != request.fingerprint {
+        return (Claim::Mismatch, None);
+    }
+    match &existing.state {
+        State::Completed { result } => (Claim::Completed(result.clone()), None),
+        State::Failed { .. } if request.retry_failed => {
+            (Claim::Acquired { took_over: false }, Some(fresh()))
+        }
+        State::Failed { error } => (Claim::Failed(error.clone()), None),
+        State::InProgress { lease_until, .. } if *lease_until > now => (
+            Claim::Busy {
+                lease_until: *lease_until,
+            },
+            None,
+        ),
+        State::InProgress { .. } if request.take_over_expired => {
+            (Claim::Acquired { took_over: true }, Some(fresh()))
+        }
+        State::InProgress { .. } => (Claim::Abandoned, None),
+    }
+}
+
+/// The fenced-write rule shared by in-process stores: given the record under the key,
+/// the record to write if `token` still owns it (`None` for a release), or `LostLease`.
+pub fn decide_fenced(
+    existing: Option<&Record>,
+    token: Token,
+    outcome: Option<(Outcome<'_>, Duration)>,
+    now: Timestamp,
+) -> Result<Option<Record>, Fenced> {
+    match existing {
+        Some(r) if !r.is_expired(now) => match r.state {
+            State::InProgress { token: owner, .. } if owner == token => {
+                Ok(outcome.map(|(outcome, ttl)| Record {
+                    fingerprint: r.fingerprint,
+                    created_at: now,
+                    expires_at: now.after(ttl),
+                    state: match outcome {
+                        Outcome::Completed(b) => State::Completed { result: b.to_vec() },
+                        Outcome::Failed(b) => State::Failed { error: b.to_vec() },
+                    },
+                }))
+            }
+            _ => Err(Fenced::LostLease),
+        },
+        _ => Err(Fenced::LostLease),
+    }
+}
+
+pub mod memory;
+pub mod sled;

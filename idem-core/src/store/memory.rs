@@ -1,0 +1,115 @@
+//! `MemoryStore`: records in a mutex-guarded map, for tests and single-process agents.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::record::{Record, Timestamp, Token};
+use crate::store::{decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::{Error, Key};
+
+/// An in-process store: records live in a map behind a mutex and die with the process.
+///
+/// Cloning is cheap and clones share the map. Use it in tests and in agents that run in
+/// one process and need no durability across restarts; use [`SledStore`](crate::SledStore)
+/// (the default) when a completed call must survive a crash.
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    records: Arc<Mutex<HashMap<Key, Record>>>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many records the map holds, expired ones included until purged.
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    /// Whether the map holds no records.
+    pub fn is_empty(&self) -> bool {
+        self.map().is_empty()
+    }
+
+    fn map(&self) -> MutexGuard<'_, HashMap<Key, Record>> {
+        // No code path panics while holding the lock; recover the map if one ever did.
+        self.records.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn fenced(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Option<(Outcome<'_>, Duration)>,
+    ) -> Fenced {
+        let mut map = self.map();
+        match decide_fenced(map.get(key), token, outcome, Timestamp::now()) {
+            Ok(Some(record)) => {
+                map.insert(key.clone(), record);
+                Fenced::Applied
+            }
+            Ok(None) => {
+                map.remove(key);
+                Fenced::Applied
+            }
+            Err(lost) => lost,
+        }
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("records", &self.len())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        let mut map = self.map();
+        let (claim, write) = decide_claim(map.get(key), request, Timestamp::now());
+        if let Some(record) = write {
+            map.insert(key.clone(), record);
+        }
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        Ok(self.fenced(key, token, Some((outcome, ttl))))
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        Ok(self.fenced(key, token, None))
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        let now = Timestamp::now();
+        Ok(self.map().get(key).filter(|r| !r.is_expired(now)).cloned())
+    }
+
+    async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        let now = Timestamp::now();
+        Ok(self.map().remove(key).is_some_and(|r| !r.is_expired(now)))
+    }
+
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        let now = Timestamp::now();
+        let mut map = self.map();
+        let before = map.len();
+        map.retain(|_, r| !r.is_expired(now));
+        Ok((before - map.len()) as u64)
+    }
+}

@@ -1,0 +1,251 @@
+//! `SledStore`: the embedded default store, on disk, no server needed.
+//!
+//! Records live in one sled tree ([`SledStore::TREE`]) of a database directory. Every
+//! claim is one compare-and-swap loop around [`decide_claim`], and every write is
+//! flushed before the call goes on: the claim is on disk before the operation starts,
+//! the result is on disk before the call returns.
+//!
+//! sled allows one open handle per directory. Inside a process, every
+//! [`SledStore::open`] of the same directory shares one handle; another process that
+//! opens a directory in use gets an [`Error::Store`] at once (never a hang).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::record::{Record, Timestamp, Token};
+use crate::store::{decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::{Error, Key};
+
+/// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
+///
+/// Cheap to clone; clones share one database handle.
+///
+/// ```no_run
+/// # fn main() -> Result<(), idem_core::Error> {
+/// let store = idem_core::SledStore::open("/var/lib/my-agent/idem")?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SledStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    path: PathBuf,
+    tree: ::sled::Tree,
+    // Keeps the database (and its file lock) open as long as any clone lives.
+    _db: ::sled::Db,
+}
+
+/// Open databases of this process, by canonical path.
+static OPEN: Mutex<Option<HashMap<PathBuf, Weak<Inner>>>> = Mutex::new(None);
+
+fn sled_error(e: ::sled::Error) -> Error {
+    Error::store("sled", e)
+}
+
+impl SledStore {
+    /// The name of the sled tree that holds idem's records.
+    pub const TREE: &'static str = "idem.records";
+
+    /// Opens (creating if needed) the store in directory `path`.
+    ///
+    /// Opening a directory this process already has open returns a handle to the same
+    /// database. A directory another process holds open is an [`Error::Store`].
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref();
+        std::fs::create_dir_all(path).map_err(|e| {
+            Error::store(
+                "sled",
+                format!("cannot create store directory {}: {e}", path.display()),
+            )
+        })?;
+        let path = path.canonicalize().map_err(|e| {
+            Error::store(
+                "sled",
+                format!("cannot resolve store directory {}: {e}", path.display()),
+            )
+        })?;
+
+        let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+        let open = open.get_or_insert_with(HashMap::new);
+        open.retain(|_, weak| weak.strong_count() > 0);
+        if let Some(inner) = open.get(&path).and_then(Weak::upgrade) {
+            return Ok(SledStore { inner });
+        }
+        let db = ::sled::Config::new()
+            .path(&path)
+            .open()
+            .map_err(sled_error)?;
+        let tree = db.open_tree(Self::TREE).map_err(sled_error)?;
+        tracing::debug!(path = %path.display(), "opened sled store");
+        let inner = Arc::new(Inner {
+            path: path.clone(),
+            tree,
+            _db: db,
+        });
+        open.insert(path, Arc::downgrade(&inner));
+        Ok(SledStore { inner })
+    }
+
+    /// The store's directory (canonical).
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// How many records the tree holds, expired ones included until purged.
+    pub fn len(&self) -> usize {
+        self.inner.tree.len()
+    }
+
+    /// Whether the tree holds no records.
+    pub fn is_empty(&self) -> bool {
+        self.inner.tree.is_empty()
+    }
+
+    async fn flush(&self) -> Result<(), Error> {
+        self.inner.tree.flush_async().await.map_err(sled_error)?;
+        Ok(())
+    }
+
+    fn read(&self, key: &Key) -> Result<Option<(::sled::IVec, Record)>, Error> {
+        match self.inner.tree.get(key.as_str()).map_err(sled_error)? {
+            None => Ok(None),
+            Some(bytes) => {
+                let record = Record::decode(key.as_str(), &bytes)?;
+                Ok(Some((bytes, record)))
+            }
+        }
+    }
+
+    /// Compare-and-swap loop: `decide` sees the current record and returns the record to
+    /// write (or `None` to delete) and a result; retried until no concurrent writer
+    /// changed the key in between.
+    fn update<T>(
+        &self,
+        key: &Key,
+        mut decide: impl FnMut(Option<&Record>, Timestamp) -> (T, Option<Option<Record>>),
+    ) -> Result<(T, bool), Error> {
+        loop {
+            let current = self.read(key)?;
+            let (result, write) = decide(current.as_ref().map(|(_, r)| r), Timestamp::now());
+            let Some(new) = write else {
+                return Ok((result, false));
+            };
+            let old = current.map(|(bytes, _)| bytes);
+            let new = new.map(|r| r.encode());
+            match self
+                .inner
+                .tree
+                .compare_and_swap(key.as_str(), old, new)
+                .map_err(sled_error)?
+            {
+                Ok(()) => return Ok((result, true)),
+                Err(_) => continue,
+            }
+        }
+    }
+
+    async fn fenced(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Option<(Outcome<'_>, Duration)>,
+    ) -> Result<Fenced, Error> {
+        let (fenced, wrote) =
+            self.update(key, |current, now| {
+                match decide_fenced(current, token, outcome, now) {
+                    Ok(write) => (Fenced::Applied, Some(write)),
+                    Err(lost) => (lost, None),
+                }
+            })?;
+        if wrote {
+            self.flush().await?;
+        }
+        Ok(fenced)
+    }
+}
+
+impl std::fmt::Debug for SledStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SledStore")
+            .field("path", &self.inner.path)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Store for SledStore {
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        let (claim, wrote) = self.update(key, |current, now| {
+            let (claim, write) = decide_claim(current, request, now);
+            (claim, write.map(Some))
+        })?;
+        if wrote {
+            self.flush().await?;
+        }
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        self.fenced(key, token, Some((outcome, ttl))).await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        self.fenced(key, token, None).await
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        let now = Timestamp::now();
+        Ok(self
+            .read(key)?
+            .map(|(_, r)| r)
+            .filter(|r| !r.is_expired(now)))
+    }
+
+    async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        let now = Timestamp::now();
+        let old = self.inner.tree.remove(key.as_str()).map_err(sled_error)?;
+        self.flush().await?;
+        // A record that no longer decodes was still there: report it as removed.
+        Ok(old.is_some_and(|bytes| {
+            Record::decode(key.as_str(), &bytes).map_or(true, |r| !r.is_expired(now))
+        }))
+    }
+
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        let now = Timestamp::now();
+        let mut removed = 0u64;
+        for entry in self.inner.tree.iter() {
+            let (k, bytes) = entry.map_err(sled_error)?;
+            let key = String::from_utf8_lossy(&k);
+            match Record::decode(&key, &bytes) {
+                Ok(r) if r.is_expired(now) => {
+                    // Only if nobody re-claimed the key since we read it.
+                    let swapped = self
+                        .inner
+                        .tree
+                        .compare_and_swap(&k, Some(&bytes), None as Option<&[u8]>)
+                        .map_err(sled_error)?;
+                    removed += u64::from(swapped.is_ok());
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "purge skipped an unreadable record"),
+            }
+        }
+        if removed > 0 {
+            self.flush().await?;
+        }
+        Ok(removed)
+    }
+}

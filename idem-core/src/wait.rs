@@ -1,0 +1,69 @@
+//! Waiting for a concurrent duplicate: in-process wake-ups, and pauses that work in
+//! async and in blocking code.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use event_listener::{Event, EventListener, Listener};
+
+use crate::Key;
+
+/// Keys some call in this process is waiting on, each with the event its owner fires.
+static WAITERS: Mutex<Option<HashMap<Key, Arc<Event>>>> = Mutex::new(None);
+
+fn with_waiters<T>(f: impl FnOnce(&mut HashMap<Key, Arc<Event>>) -> T) -> T {
+    let mut guard = WAITERS.lock().unwrap_or_else(|p| p.into_inner());
+    f(guard.get_or_insert_with(HashMap::new))
+}
+
+/// Starts listening for the owner of `key` (in this process) to finish.
+pub(crate) fn listen(key: &Key) -> EventListener {
+    with_waiters(|map| map.entry(key.clone()).or_default().listen())
+}
+
+/// Wakes every call in this process waiting on `key`.
+pub(crate) fn notify(key: &Key) {
+    if let Some(event) = with_waiters(|map| map.remove(key)) {
+        event.notify(usize::MAX);
+    }
+}
+
+/// Drops the entry for `key` if nobody listens any more (the owner was elsewhere).
+pub(crate) fn forget(key: &Key) {
+    with_waiters(|map| {
+        if map.get(key).is_some_and(|e| e.total_listeners() == 0) {
+            map.remove(key);
+        }
+    });
+}
+
+/// How a waiting call pauses: awaiting (async tools) or blocking (sync tools).
+pub(crate) trait Pause {
+    /// Returns when `listener` fires or `max` has passed.
+    fn pause(listener: EventListener, max: Duration) -> impl Future<Output = ()> + Send;
+}
+
+/// Pauses without blocking the thread, on tokio's timer.
+pub(crate) struct AsyncPause;
+
+impl Pause for AsyncPause {
+    async fn pause(listener: EventListener, max: Duration) {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            let _ = tokio::time::timeout(max, listener).await;
+        } else {
+            // Not on a tokio runtime: there is no timer to await; block instead of panicking.
+            listener.wait_timeout(max);
+        }
+    }
+}
+
+/// Pauses by blocking the thread (sync tools).
+pub(crate) struct BlockingPause;
+
+impl Pause for BlockingPause {
+    async fn pause(listener: EventListener, max: Duration) {
+        listener.wait_timeout(max);
+    }
+}
