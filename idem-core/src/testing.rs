@@ -1,0 +1,383 @@
+//! The store conformance suite: the [`Store`] contract as executable checks.
+//!
+//! Run it against any store, including your own:
+//!
+//! ```no_run
+//! # async fn demo() {
+//! use std::sync::Arc;
+//! idem_core::testing::run_all(Arc::new(idem_core::MemoryStore::new())).await;
+//! # }
+//! ```
+//!
+//! Call it from a multi-threaded tokio test (`#[tokio::test(flavor = "multi_thread")]`).
+//! Every check uses keys of its own, so a store shared with other data (a database
+//! table, a Redis prefix) can be checked in place. A failed check panics with the
+//! check's name and what it saw. The suite sleeps through a few short leases and TTLs
+//! (a few hundred milliseconds each), so it takes a few seconds.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::{
+    execute, Call, Error, Fingerprint, Key, Options, Record, ReleaseErrors, Run, State,
+    Timestamp, Token,
+};
+
+/// The lease and TTL the suite lets expire.
+const SHORT: Duration = Duration::from_millis(150);
+/// How long the suite sleeps to see `SHORT` expire.
+const PAST_SHORT: Duration = Duration::from_millis(300);
+const LONG: Duration = Duration::from_secs(3600);
+
+/// Runs every check against `store`, one after the other.
+pub async fn run_all(store: Arc<dyn Store>) {
+    claim_acquires_absent_key(&*store).await;
+    claim_is_busy_while_leased(&*store).await;
+    completed_result_is_replayed(&*store).await;
+    other_fingerprint_is_mismatch(&*store).await;
+    release_frees_the_key(&*store).await;
+    stale_owner_is_fenced_after_takeover(&*store).await;
+    expired_lease_is_abandoned_without_takeover(&*store).await;
+    expired_record_is_absent(&*store).await;
+    failed_outcome_is_replayed_or_retried(&*store).await;
+    fenced_writes_on_unclaimed_key_are_rejected(&*store).await;
+    purge_removes_only_expired(&*store).await;
+    concurrent_claims_have_one_winner(store.clone()).await;
+    concurrent_calls_execute_once(store).await;
+}
+
+fn unique_key(check: &str) -> Key {
+    let n = Token::generate().map(|t| t.0).unwrap_or_default();
+    Key::from_text(format!("conformance-{check}.{n:032x}"))
+}
+
+fn fp(n: u8) -> Fingerprint {
+    Fingerprint::from_bytes([n; 32])
+}
+
+fn request(fingerprint: Fingerprint, lease: Duration, ttl: Duration) -> ClaimRequest {
+    ClaimRequest {
+        fingerprint,
+        token: Token::generate().expect("conformance: token"),
+        lease,
+        ttl,
+        take_over_expired: true,
+        retry_failed: true,
+    }
+}
+
+macro_rules! check {
+    ($name:expr, $cond:expr, $($what:tt)+) => {
+        assert!($cond, "conformance check `{}` failed: {}", $name, format!($($what)+))
+    };
+}
+
+async fn ok<T>(name: &str, r: Result<T, Error>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("conformance check `{name}` failed: store error: {e}"),
+    }
+}
+
+/// A claim on an absent key acquires it and leaves an in-progress record with the
+/// caller's token and fingerprint.
+pub async fn claim_acquires_absent_key(store: &dyn Store) {
+    let name = "claim_acquires_absent_key";
+    let key = unique_key(name);
+    let req = request(fp(1), LONG, LONG);
+    let claim = ok(name, store.claim(&key, &req).await).await;
+    check!(name, claim == Claim::Acquired { took_over: false }, "claim returned {claim:?}");
+    let record = ok(name, store.get(&key).await).await;
+    check!(
+        name,
+        matches!(
+            record,
+            Some(Record { fingerprint, state: State::InProgress { token, .. }, .. })
+                if fingerprint == fp(1) && token == req.token
+        ),
+        "get returned {record:?}"
+    );
+}
+
+/// A second claim while the first lease is alive is `Busy` until that lease.
+pub async fn claim_is_busy_while_leased(store: &dyn Store) {
+    let name = "claim_is_busy_while_leased";
+    let key = unique_key(name);
+    ok(name, store.claim(&key, &request(fp(1), LONG, LONG)).await).await;
+    let claim = ok(name, store.claim(&key, &request(fp(1), LONG, LONG)).await).await;
+    check!(
+        name,
+        matches!(claim, Claim::Busy { lease_until } if lease_until > Timestamp::now()),
+        "second claim returned {claim:?}"
+    );
+}
+
+/// After `complete`, claims return the stored bytes unchanged.
+pub async fn completed_result_is_replayed(store: &dyn Store) {
+    let name = "completed_result_is_replayed";
+    let key = unique_key(name);
+    let req = request(fp(2), LONG, LONG);
+    ok(name, store.claim(&key, &req).await).await;
+    let payload = b"{\"message_id\":\"m-1\",\"bytes\":[0,255]}";
+    let fenced = ok(
+        name,
+        store
+            .complete(&key, req.token, Outcome::Completed(payload), LONG)
+            .await,
+    )
+    .await;
+    check!(name, fenced == Fenced::Applied, "complete returned {fenced:?}");
+    for _ in 0..2 {
+        let claim = ok(name, store.claim(&key, &request(fp(2), LONG, LONG)).await).await;
+        check!(
+            name,
+            claim == Claim::Completed(payload.to_vec()),
+            "claim after complete returned {claim:?}"
+        );
+    }
+    let record = ok(name, store.get(&key).await).await;
+    check!(
+        name,
+        matches!(&record, Some(Record { state: State::Completed { result }, .. }) if result == payload),
+        "get returned {record:?}"
+    );
+}
+
+/// Another fingerprint under a held or completed key is a `Mismatch`.
+pub async fn other_fingerprint_is_mismatch(store: &dyn Store) {
+    let name = "other_fingerprint_is_mismatch";
+    let key = unique_key(name);
+    let req = request(fp(3), LONG, LONG);
+    ok(name, store.claim(&key, &req).await).await;
+    let claim = ok(name, store.claim(&key, &request(fp(4), LONG, LONG)).await).await;
+    check!(name, claim == Claim::Mismatch, "claim while held returned {claim:?}");
+    ok(
+        name,
+        store
+            .complete(&key, req.token, Outcome::Completed(b"1"), LONG)
+            .await,
+    )
+    .await;
+    let claim = ok(name, store.claim(&key, &request(fp(4), LONG, LONG)).await).await;
+    check!(name, claim == Claim::Mismatch, "claim after complete returned {claim:?}");
+}
+
+/// `release` by the owner frees the key; `release` by anyone else does nothing.
+pub async fn release_frees_the_key(store: &dyn Store) {
+    let name = "release_frees_the_key";
+    let key = unique_key(name);
+    let req = request(fp(5), LONG, LONG);
+    ok(name, store.claim(&key, &req).await).await;
+    let stranger = ok(name, store.release(&key, Token(req.token.0 ^ 1)).await).await;
+    check!(name, stranger == Fenced::LostLease, "release by a stranger returned {stranger:?}");
+    let claim = ok(name, store.claim(&key, &request(fp(5), LONG, LONG)).await).await;
+    check!(name, matches!(claim, Claim::Busy { .. }), "claim after stranger's release returned {claim:?}");
+    let fenced = ok(name, store.release(&key, req.token).await).await;
+    check!(name, fenced == Fenced::Applied, "release by owner returned {fenced:?}");
+    let claim = ok(name, store.claim(&key, &request(fp(5), LONG, LONG)).await).await;
+    check!(name, claim == Claim::Acquired { took_over: false }, "claim after release returned {claim:?}");
+}
+
+/// After its lease expires, a claim is taken over; the stale owner can then neither
+/// complete nor release, and the new owner's result is the one kept.
+pub async fn stale_owner_is_fenced_after_takeover(store: &dyn Store) {
+    let name = "stale_owner_is_fenced_after_takeover";
+    let key = unique_key(name);
+    let stale = request(fp(6), SHORT, LONG);
+    ok(name, store.claim(&key, &stale).await).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let fresh = request(fp(6), LONG, LONG);
+    let claim = ok(name, store.claim(&key, &fresh).await).await;
+    check!(name, claim == Claim::Acquired { took_over: true }, "claim after lease expiry returned {claim:?}");
+    let late = ok(
+        name,
+        store
+            .complete(&key, stale.token, Outcome::Completed(b"\"stale\""), LONG)
+            .await,
+    )
+    .await;
+    check!(name, late == Fenced::LostLease, "stale complete returned {late:?}");
+    let late = ok(name, store.release(&key, stale.token).await).await;
+    check!(name, late == Fenced::LostLease, "stale release returned {late:?}");
+    let applied = ok(
+        name,
+        store
+            .complete(&key, fresh.token, Outcome::Completed(b"\"fresh\""), LONG)
+            .await,
+    )
+    .await;
+    check!(name, applied == Fenced::Applied, "new owner's complete returned {applied:?}");
+    let claim = ok(name, store.claim(&key, &request(fp(6), LONG, LONG)).await).await;
+    check!(name, claim == Claim::Completed(b"\"fresh\"".to_vec()), "replay returned {claim:?}");
+}
+
+/// Without takeover (at-most-once), an expired lease is `Abandoned` until deleted.
+pub async fn expired_lease_is_abandoned_without_takeover(store: &dyn Store) {
+    let name = "expired_lease_is_abandoned_without_takeover";
+    let key = unique_key(name);
+    ok(name, store.claim(&key, &request(fp(7), SHORT, LONG)).await).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let mut req = request(fp(7), LONG, LONG);
+    req.take_over_expired = false;
+    for _ in 0..2 {
+        let claim = ok(name, store.claim(&key, &req).await).await;
+        check!(name, claim == Claim::Abandoned, "claim returned {claim:?}");
+    }
+    let deleted = ok(name, store.delete(&key).await).await;
+    check!(name, deleted, "delete of the abandoned record returned false");
+    let claim = ok(name, store.claim(&key, &req).await).await;
+    check!(name, claim == Claim::Acquired { took_over: false }, "claim after delete returned {claim:?}");
+}
+
+/// A record past its TTL is absent: `get` is `None` and a claim acquires it afresh,
+/// whether or not it was purged.
+pub async fn expired_record_is_absent(store: &dyn Store) {
+    let name = "expired_record_is_absent";
+    let key = unique_key(name);
+    let req = request(fp(8), LONG, SHORT);
+    ok(name, store.claim(&key, &req).await).await;
+    ok(
+        name,
+        store
+            .complete(&key, req.token, Outcome::Completed(b"1"), SHORT)
+            .await,
+    )
+    .await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let record = ok(name, store.get(&key).await).await;
+    check!(name, record.is_none(), "get after TTL returned {record:?}");
+    let claim = ok(name, store.claim(&key, &request(fp(9), LONG, LONG)).await).await;
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: false },
+        "claim after TTL (even with another fingerprint) returned {claim:?}"
+    );
+}
+
+/// A failed outcome is replayed to claims that do not retry failures, and re-claimed
+/// by those that do.
+pub async fn failed_outcome_is_replayed_or_retried(store: &dyn Store) {
+    let name = "failed_outcome_is_replayed_or_retried";
+    let key = unique_key(name);
+    let req = request(fp(10), LONG, LONG);
+    ok(name, store.claim(&key, &req).await).await;
+    ok(
+        name,
+        store
+            .complete(&key, req.token, Outcome::Failed(b"\"card declined\""), LONG)
+            .await,
+    )
+    .await;
+    let mut replay = request(fp(10), LONG, LONG);
+    replay.retry_failed = false;
+    let claim = ok(name, store.claim(&key, &replay).await).await;
+    check!(name, claim == Claim::Failed(b"\"card declined\"".to_vec()), "claim returned {claim:?}");
+    let claim = ok(name, store.claim(&key, &request(fp(10), LONG, LONG)).await).await;
+    check!(name, claim == Claim::Acquired { took_over: false }, "retrying claim returned {claim:?}");
+}
+
+/// `complete` and `release` on a key nobody claimed change nothing.
+pub async fn fenced_writes_on_unclaimed_key_are_rejected(store: &dyn Store) {
+    let name = "fenced_writes_on_unclaimed_key_are_rejected";
+    let key = unique_key(name);
+    let token = Token::generate().expect("conformance: token");
+    let fenced = ok(
+        name,
+        store
+            .complete(&key, token, Outcome::Completed(b"1"), LONG)
+            .await,
+    )
+    .await;
+    check!(name, fenced == Fenced::LostLease, "complete returned {fenced:?}");
+    let fenced = ok(name, store.release(&key, token).await).await;
+    check!(name, fenced == Fenced::LostLease, "release returned {fenced:?}");
+    let record = ok(name, store.get(&key).await).await;
+    check!(name, record.is_none(), "get returned {record:?}");
+}
+
+/// `purge_expired` removes expired records and keeps live ones.
+pub async fn purge_removes_only_expired(store: &dyn Store) {
+    let name = "purge_removes_only_expired";
+    let short = unique_key(name);
+    let long = unique_key(name);
+    for (key, ttl) in [(&short, SHORT), (&long, LONG)] {
+        let req = request(fp(11), LONG, ttl);
+        ok(name, store.claim(key, &req).await).await;
+        ok(
+            name,
+            store
+                .complete(key, req.token, Outcome::Completed(b"1"), ttl)
+                .await,
+        )
+        .await;
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    let removed = ok(name, store.purge_expired().await).await;
+    check!(name, removed >= 1, "purge removed {removed} records");
+    let gone = ok(name, store.get(&short).await).await;
+    check!(name, gone.is_none(), "expired record after purge: {gone:?}");
+    let kept = ok(name, store.get(&long).await).await;
+    check!(name, kept.is_some(), "live record was purged");
+}
+
+/// 64 concurrent claims of one key: exactly one acquires it, the rest are busy.
+pub async fn concurrent_claims_have_one_winner(store: Arc<dyn Store>) {
+    let name = "concurrent_claims_have_one_winner";
+    let key = unique_key(name);
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let store = store.clone();
+            let key = key.clone();
+            tokio::spawn(async move { store.claim(&key, &request(fp(12), LONG, LONG)).await })
+        })
+        .collect();
+    let (mut acquired, mut busy) = (0, 0);
+    for task in tasks {
+        match ok(name, task.await.expect("conformance: task panicked")).await {
+            Claim::Acquired { .. } => acquired += 1,
+            Claim::Busy { .. } => busy += 1,
+            other => panic!("conformance check `{name}` failed: claim returned {other:?}"),
+        }
+    }
+    check!(name, acquired == 1 && busy == 63, "{acquired} acquired, {busy} busy");
+}
+
+/// 64 concurrent idempotent calls with one key: the operation runs once, and all 64
+/// callers receive its value.
+pub async fn concurrent_calls_execute_once(store: Arc<dyn Store>) {
+    let name = "concurrent_calls_execute_once";
+    let run = Run::new(format!("{}", unique_key(name))).with_shared_store(store);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let run = run.clone();
+            let runs = runs.clone();
+            tokio::spawn(async move {
+                let call = Call::new(Some(&run), "conformance_tool", Options::new(), &"input");
+                execute::<Result<String, Error>, ReleaseErrors, _>(call, async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Ok(format!("value-{n}"))
+                })
+                .await
+            })
+        })
+        .collect();
+    let mut values = Vec::new();
+    for task in tasks {
+        let result = task.await.expect("conformance: task panicked");
+        match result {
+            Ok(Ok(v)) => values.push(v),
+            other => panic!("conformance check `{name}` failed: a caller got {other:?}"),
+        }
+    }
+    let executions = runs.load(Ordering::SeqCst);
+    check!(name, executions == 1, "the operation ran {executions} times");
+    check!(
+        name,
+        values.iter().all(|v| v == "value-0"),
+        "callers got different values: {values:?}"
+    );
+}

@@ -1,0 +1,16 @@
+//! The store conformance suite against the stores of this crate.
+
+use std::sync::Arc;
+
+use idem_core::{testing, MemoryStore, SledStore};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store_conforms() {
+    testing::run_all(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sled_store_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    testing::run_all(Arc::new(SledStore::open(dir.path()).unwrap())).await;
+}
