@@ -1,0 +1,107 @@
+//! What only the sled store has: a directory, one handle per path, bytes on disk.
+
+use std::time::Duration;
+
+use idem_core::store::Store;
+use idem_core::{execute, Call, Error, Options, ReleaseErrors, Run, SledStore};
+
+async fn send(run: &Run, to: &str, value: &str) -> Result<Result<String, Error>, Error> {
+    let value = value.to_string();
+    execute::<Result<String, Error>, ReleaseErrors, _>(
+        Call::new(Some(run), "send_email", Options::new(), &to),
+        async move { Ok(value) },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn corrupt_bytes_are_a_typed_error_naming_the_key_and_nothing_else_is_touched() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_on = |store: SledStore| Run::new("run-corrupt").with_store(store);
+
+    let store = SledStore::open(dir.path()).unwrap();
+    send(&run_on(store.clone()), "ada@example.com", "msg-ada").await.unwrap().unwrap();
+    let bad = Call::new(Some(&run_on(store.clone())), "send_email", Options::new(), &"bob@example.com")
+        .unwrap()
+        .key()
+        .clone();
+    drop(store);
+
+    // Damage one record behind idem's back.
+    {
+        let db = sled::open(dir.path()).unwrap();
+        let tree = db.open_tree(SledStore::TREE).unwrap();
+        tree.insert(bad.as_str(), &b"\x00\x01 not a record"[..]).unwrap();
+        tree.insert("idem-future", &b"idem\x09rest"[..]).unwrap();
+        db.flush().unwrap();
+    }
+
+    let store = SledStore::open(dir.path()).unwrap();
+    let run = run_on(store.clone());
+    let err = send(&run, "bob@example.com", "msg-bob").await.unwrap_err();
+    match &err {
+        Error::CorruptRecord { key, .. } => assert_eq!(key, bad.as_str()),
+        other => panic!("expected CorruptRecord, got {other}"),
+    }
+    assert!(err.to_string().contains(bad.as_str()));
+    let err = store.get(&idem_core::Key::from_text("idem-future")).await.unwrap_err();
+    assert!(matches!(err, Error::UnsupportedFormat { version: 9, .. }), "{err}");
+
+    // The other record still replays, and purge leaves unreadable records alone.
+    assert_eq!(send(&run, "ada@example.com", "other").await.unwrap().unwrap(), "msg-ada");
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+    assert_eq!(store.len(), 3);
+
+    // Deleting the corrupt key lets the call run again.
+    assert!(store.delete(&bad).await.unwrap());
+    assert_eq!(send(&run, "bob@example.com", "msg-bob").await.unwrap().unwrap(), "msg-bob");
+}
+
+#[tokio::test]
+async fn one_handle_per_path_inside_a_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = SledStore::open(dir.path()).unwrap();
+    let b = SledStore::open(dir.path().join(".")).unwrap();
+    assert_eq!(a.path(), b.path());
+    send(&Run::new("r").with_store(a), "x", "first").await.unwrap().unwrap();
+    // The second handle sees the first one's record at once.
+    assert_eq!(send(&Run::new("r").with_store(b), "x", "second").await.unwrap().unwrap(), "first");
+}
+
+#[tokio::test]
+async fn records_survive_closing_and_reopening() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    send(&Run::new("r").with_store(store.clone()), "x", "kept").await.unwrap().unwrap();
+    drop(store);
+    let store = SledStore::open(dir.path()).unwrap();
+    assert_eq!(send(&Run::new("r").with_store(store), "x", "new").await.unwrap().unwrap(), "kept");
+}
+
+#[tokio::test]
+async fn an_unusable_directory_is_a_store_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let err = SledStore::open(&file).unwrap_err();
+    assert!(matches!(err, Error::Store { store: "sled", .. }), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_sweeper_purges_expired_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    let run = Run::new("r").with_store(store.clone());
+    let short = Options::new().ttl(Duration::from_millis(50));
+    execute::<Result<u8, Error>, ReleaseErrors, _>(Call::new(Some(&run), "t", short, &1), async { Ok(1) })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.len(), 1);
+    let _sweeper = idem_core::sweeper::spawn(std::sync::Arc::new(store.clone()), Duration::from_millis(20));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while store.len() > 0 {
+        assert!(std::time::Instant::now() < deadline, "sweeper never purged");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
