@@ -1,1 +1,95 @@
+//! # idem: AI-agent tool calls that are safe to retry
+//!
+//! An agent calls a tool with a real side effect (send an email, charge a card). The call
+//! times out, the agent retries, and the side effect happens twice. One attribute fixes
+//! that:
+//!
+//! ```no_run
+//! use idem::{idempotent, Run};
+//! # #[derive(serde::Serialize)] struct SendEmail { to: String }
+//! # #[derive(Debug, serde::Serialize, serde::Deserialize)] struct MessageId(String);
+//! # #[derive(Debug)] enum ToolError { Idem(idem::Error) }
+//! # impl From<idem::Error> for ToolError { fn from(e: idem::Error) -> Self { ToolError::Idem(e) } }
+//!
+//! #[idempotent(ttl = "24h")]
+//! async fn send_email(input: SendEmail) -> Result<MessageId, ToolError> {
+//!     // the side effect: runs at most once per (run, tool, input) within the TTL
+//!     Ok(MessageId("msg-1".into()))
+//! }
+//!
+//! # async fn agent() -> Result<(), ToolError> {
+//! let run = Run::new("run-42"); // the default store: embedded sled in ./.idem
+//! let input = SendEmail { to: "ada@example.com".into() };
+//! let sent = run.scope(send_email(input)).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The attribute derives a key from the run id, the tool's name and a SHA-256 of the
+//! input. A call whose key already completed returns the stored result without running
+//! the body; concurrent duplicates wait for the first; a failed call releases the key
+//! so a retry runs again. Inside the body, [`current_key`] gives the key to forward
+//! downstream (Stripe's `Idempotency-Key`).
+//!
+//! ## Options
+//!
+//! | option | meaning | default |
+//! |---|---|---|
+//! | `ttl = "24h"` | how long a result is kept and replayed (`ms`, `s`, `m`, `h`, `d`, combinable: `"1h30m"`) | 24 hours |
+//! | `lease = "30s"` | how long a claim holds before its owner is considered crashed; above the body's longest run | 60 seconds |
+//! | `wait = "10s"` | how long a concurrent duplicate waits for the first call's result | one lease |
+//! | `fail_fast` | a concurrent duplicate gets [`Error::InProgress`] at once | off |
+//! | `at_most_once` | after a crash, [`Error::OutcomeUnknown`] instead of running again (payments) | at-least-once |
+//! | `cache_errors` | store `Err` values and replay them too (needs `E: Serialize + Deserialize`) | errors release the key |
+//! | `name = "send_email"` | the tool name in the key | the function's name; `Type::method` for methods |
+//! | `key = [input.to]` | the arguments or fields that form the key; the whole input is still fingerprinted, so the same key with another input is [`Error::PayloadMismatch`] | all arguments |
+//! | `skip = [client]` | arguments that are context, not input (clients, connections) | none |
+//! | `map_error = path` | a function `idem::Error -> E`, when `E` has no `From<idem::Error>` | `From::from` |
+//! | `crate = "my::idem"` | where the `idem` crate is, if you re-export it | `::idem` |
+//!
+//! **Keep `name` stable.** The tool name is part of every key: renaming the function
+//! changes its keys, and calls made before the rename run again. Set `name` on tools
+//! whose keys must outlive refactors. For methods the default name includes the type as
+//! [`std::any::type_name`] spells it, which the Rust project does not promise to keep
+//! the same across compiler versions: set `name` there too when keys must survive a
+//! toolchain upgrade.
+//!
+//! ## What the attribute accepts
+//!
+//! Async and sync functions, methods (`&self`, `&mut self`; the receiver is never part
+//! of the key), generic functions, `impl Trait` and reference arguments (serialized, not
+//! moved). A `&Run` or `Run` argument is the call's run (not part of the input);
+//! otherwise the ambient run of [`Run::scope`] / [`Run::sync_scope`] is used, and with
+//! neither the call is [`Error::NoRun`]. The function must return `Result<T, E>` with
+//! `T: Serialize + DeserializeOwned` and `E: From<idem::Error>` (or `map_error`).
+//!
+//! In `#[async_trait]` impls, put `#[idempotent]` on the method as usual: the impl's
+//! `#[async_trait]` expands first and `#[idempotent]` wraps the boxed future it emits.
+//!
+//! ## TTL guidance
+//!
+//! The TTL must exceed the longest a run plus its retries can take: payments and
+//! transactional emails 24 hours; notifications and record updates 1 hour; document
+//! generation and exports 7 days. Reads (`get_customer`, `search_products`), logs and
+//! analytics need no idempotency: leave them undecorated and save the store round trip.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+#[cfg(feature = "testing")]
+pub use idem_core::testing;
+pub use idem_core::{
+    current_key, default_store, default_store_dir, key, options, protocol, record,
+    set_default_store, store, sweeper, Call, Delivery, Error, Fingerprint, Key, MemoryStore,
+    OnBusy, Options, Record, Run, SledStore, State, Store,
+};
+pub use idem_macros::idempotent;
+
+/// What generated code calls. Not public API: may change in any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use idem_core::protocol::{
+        assert_input, execute, execute_blocking, from_idem_error, CacheErrors, Call, ReleaseErrors,
+        ToolOutput,
+    };
+    pub use idem_core::Options;
+}

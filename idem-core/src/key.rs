@@ -192,16 +192,10 @@ impl Key {
         let digest: [u8; 32] = h.finalize().into();
 
         let mut text = String::with_capacity(LABEL_MAX + 1 + 64);
-        text.extend(
-            parts
-                .tool
-                .chars()
-                .take(LABEL_MAX)
-                .map(|c| match c {
-                    'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c,
-                    _ => '_',
-                }),
-        );
+        text.extend(parts.tool.chars().take(LABEL_MAX).map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c,
+            _ => '_',
+        }));
         if text.is_empty() {
             text.push('_');
         }
@@ -300,7 +294,10 @@ mod tests {
     fn non_string_map_keys_are_a_typed_error() {
         let m: HashMap<(u8, u8), u8> = [((1, 2), 3)].into_iter().collect();
         let err = Fingerprint::of("tool_x", &m).unwrap_err();
-        assert!(matches!(err, Error::Input { ref tool, .. } if tool == "tool_x"), "{err}");
+        assert!(
+            matches!(err, Error::Input { ref tool, .. } if tool == "tool_x"),
+            "{err}"
+        );
     }
 
     #[test]

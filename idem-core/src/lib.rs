@@ -41,7 +41,7 @@ pub use error::Error;
 pub use key::{Fingerprint, Key, KeyParts};
 pub use options::{Delivery, OnBusy, Options};
 pub use protocol::{
-    execute, execute_blocking, CacheErrors, Call, ErrorPolicy, ReleaseErrors, Replayable,
+    execute, execute_blocking, CacheErrors, Call, ErrorPolicy, KeyInput, ReleaseErrors, Replayable,
     ToolOutput,
 };
 pub use record::{Record, State, Timestamp, Token};

@@ -339,7 +339,9 @@ where
                 };
                 // Listen before each claim, so a completion in between is not missed.
                 match listener.take() {
-                    None => tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, waiting"),
+                    None => {
+                        tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, waiting")
+                    }
                     Some(l) => {
                         let until_lease =
                             lease_until.remaining(Timestamp::now()) + Duration::from_millis(1);
@@ -423,3 +425,27 @@ async fn release(call: &Call, owner: &Owner) {
     }
     wait::notify(&call.key);
 }
+
+/// Converts an idem error into the tool's output (`Err(E::from(error))`); what the
+/// attribute returns when idem could not run the operation safely.
+pub fn from_idem_error<R>(error: Error) -> R
+where
+    R: ToolOutput,
+    R::Err: From<Error>,
+{
+    R::from_result(Err(R::Err::from(error)))
+}
+
+/// An argument that can be part of an idempotency key: `Serialize`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be part of an idempotency key: it does not implement `serde::Serialize`",
+    label = "this argument is hashed into the key",
+    note = "derive `Serialize` for it, or, if it is context (a client, a connection) rather than input, list it in `skip = [...]`"
+)]
+pub trait KeyInput {}
+impl<T: Serialize + ?Sized> KeyInput for T {}
+
+/// Checks at compile time that an argument can be hashed into the key. Emitted by the
+/// attribute, one per argument, so the error points at the argument.
+#[inline(always)]
+pub fn assert_input<T: KeyInput + ?Sized>(_: &T) {}

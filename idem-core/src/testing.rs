@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{
-    execute, Call, Error, Fingerprint, Key, Options, Record, ReleaseErrors, Run, State,
-    Timestamp, Token,
+    execute, Call, Error, Fingerprint, Key, Options, Record, ReleaseErrors, Run, State, Timestamp,
+    Token,
 };
 
 /// The lease and TTL the suite lets expire.
@@ -88,7 +88,11 @@ pub async fn claim_acquires_absent_key(store: &dyn Store) {
     let key = unique_key(name);
     let req = request(fp(1), LONG, LONG);
     let claim = ok(name, store.claim(&key, &req).await).await;
-    check!(name, claim == Claim::Acquired { took_over: false }, "claim returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: false },
+        "claim returned {claim:?}"
+    );
     let record = ok(name, store.get(&key).await).await;
     check!(
         name,
@@ -128,7 +132,11 @@ pub async fn completed_result_is_replayed(store: &dyn Store) {
             .await,
     )
     .await;
-    check!(name, fenced == Fenced::Applied, "complete returned {fenced:?}");
+    check!(
+        name,
+        fenced == Fenced::Applied,
+        "complete returned {fenced:?}"
+    );
     for _ in 0..2 {
         let claim = ok(name, store.claim(&key, &request(fp(2), LONG, LONG)).await).await;
         check!(
@@ -152,7 +160,11 @@ pub async fn other_fingerprint_is_mismatch(store: &dyn Store) {
     let req = request(fp(3), LONG, LONG);
     ok(name, store.claim(&key, &req).await).await;
     let claim = ok(name, store.claim(&key, &request(fp(4), LONG, LONG)).await).await;
-    check!(name, claim == Claim::Mismatch, "claim while held returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Mismatch,
+        "claim while held returned {claim:?}"
+    );
     ok(
         name,
         store
@@ -161,7 +173,11 @@ pub async fn other_fingerprint_is_mismatch(store: &dyn Store) {
     )
     .await;
     let claim = ok(name, store.claim(&key, &request(fp(4), LONG, LONG)).await).await;
-    check!(name, claim == Claim::Mismatch, "claim after complete returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Mismatch,
+        "claim after complete returned {claim:?}"
+    );
 }
 
 /// `release` by the owner frees the key; `release` by anyone else does nothing.
@@ -171,13 +187,29 @@ pub async fn release_frees_the_key(store: &dyn Store) {
     let req = request(fp(5), LONG, LONG);
     ok(name, store.claim(&key, &req).await).await;
     let stranger = ok(name, store.release(&key, Token(req.token.0 ^ 1)).await).await;
-    check!(name, stranger == Fenced::LostLease, "release by a stranger returned {stranger:?}");
+    check!(
+        name,
+        stranger == Fenced::LostLease,
+        "release by a stranger returned {stranger:?}"
+    );
     let claim = ok(name, store.claim(&key, &request(fp(5), LONG, LONG)).await).await;
-    check!(name, matches!(claim, Claim::Busy { .. }), "claim after stranger's release returned {claim:?}");
+    check!(
+        name,
+        matches!(claim, Claim::Busy { .. }),
+        "claim after stranger's release returned {claim:?}"
+    );
     let fenced = ok(name, store.release(&key, req.token).await).await;
-    check!(name, fenced == Fenced::Applied, "release by owner returned {fenced:?}");
+    check!(
+        name,
+        fenced == Fenced::Applied,
+        "release by owner returned {fenced:?}"
+    );
     let claim = ok(name, store.claim(&key, &request(fp(5), LONG, LONG)).await).await;
-    check!(name, claim == Claim::Acquired { took_over: false }, "claim after release returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: false },
+        "claim after release returned {claim:?}"
+    );
 }
 
 /// After its lease expires, a claim is taken over; the stale owner can then neither
@@ -190,7 +222,11 @@ pub async fn stale_owner_is_fenced_after_takeover(store: &dyn Store) {
     tokio::time::sleep(PAST_SHORT).await;
     let fresh = request(fp(6), LONG, LONG);
     let claim = ok(name, store.claim(&key, &fresh).await).await;
-    check!(name, claim == Claim::Acquired { took_over: true }, "claim after lease expiry returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: true },
+        "claim after lease expiry returned {claim:?}"
+    );
     let late = ok(
         name,
         store
@@ -198,9 +234,17 @@ pub async fn stale_owner_is_fenced_after_takeover(store: &dyn Store) {
             .await,
     )
     .await;
-    check!(name, late == Fenced::LostLease, "stale complete returned {late:?}");
+    check!(
+        name,
+        late == Fenced::LostLease,
+        "stale complete returned {late:?}"
+    );
     let late = ok(name, store.release(&key, stale.token).await).await;
-    check!(name, late == Fenced::LostLease, "stale release returned {late:?}");
+    check!(
+        name,
+        late == Fenced::LostLease,
+        "stale release returned {late:?}"
+    );
     let applied = ok(
         name,
         store
@@ -208,9 +252,17 @@ pub async fn stale_owner_is_fenced_after_takeover(store: &dyn Store) {
             .await,
     )
     .await;
-    check!(name, applied == Fenced::Applied, "new owner's complete returned {applied:?}");
+    check!(
+        name,
+        applied == Fenced::Applied,
+        "new owner's complete returned {applied:?}"
+    );
     let claim = ok(name, store.claim(&key, &request(fp(6), LONG, LONG)).await).await;
-    check!(name, claim == Claim::Completed(b"\"fresh\"".to_vec()), "replay returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Completed(b"\"fresh\"".to_vec()),
+        "replay returned {claim:?}"
+    );
 }
 
 /// Without takeover (at-most-once), an expired lease is `Abandoned` until deleted.
@@ -226,9 +278,17 @@ pub async fn expired_lease_is_abandoned_without_takeover(store: &dyn Store) {
         check!(name, claim == Claim::Abandoned, "claim returned {claim:?}");
     }
     let deleted = ok(name, store.delete(&key).await).await;
-    check!(name, deleted, "delete of the abandoned record returned false");
+    check!(
+        name,
+        deleted,
+        "delete of the abandoned record returned false"
+    );
     let claim = ok(name, store.claim(&key, &req).await).await;
-    check!(name, claim == Claim::Acquired { took_over: false }, "claim after delete returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: false },
+        "claim after delete returned {claim:?}"
+    );
 }
 
 /// A record past its TTL is absent: `get` is `None` and a claim acquires it afresh,
@@ -273,9 +333,17 @@ pub async fn failed_outcome_is_replayed_or_retried(store: &dyn Store) {
     let mut replay = request(fp(10), LONG, LONG);
     replay.retry_failed = false;
     let claim = ok(name, store.claim(&key, &replay).await).await;
-    check!(name, claim == Claim::Failed(b"\"card declined\"".to_vec()), "claim returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Failed(b"\"card declined\"".to_vec()),
+        "claim returned {claim:?}"
+    );
     let claim = ok(name, store.claim(&key, &request(fp(10), LONG, LONG)).await).await;
-    check!(name, claim == Claim::Acquired { took_over: false }, "retrying claim returned {claim:?}");
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: false },
+        "retrying claim returned {claim:?}"
+    );
 }
 
 /// `complete` and `release` on a key nobody claimed change nothing.
@@ -290,9 +358,17 @@ pub async fn fenced_writes_on_unclaimed_key_are_rejected(store: &dyn Store) {
             .await,
     )
     .await;
-    check!(name, fenced == Fenced::LostLease, "complete returned {fenced:?}");
+    check!(
+        name,
+        fenced == Fenced::LostLease,
+        "complete returned {fenced:?}"
+    );
     let fenced = ok(name, store.release(&key, token).await).await;
-    check!(name, fenced == Fenced::LostLease, "release returned {fenced:?}");
+    check!(
+        name,
+        fenced == Fenced::LostLease,
+        "release returned {fenced:?}"
+    );
     let record = ok(name, store.get(&key).await).await;
     check!(name, record.is_none(), "get returned {record:?}");
 }
@@ -341,7 +417,11 @@ pub async fn concurrent_claims_have_one_winner(store: Arc<dyn Store>) {
             other => panic!("conformance check `{name}` failed: claim returned {other:?}"),
         }
     }
-    check!(name, acquired == 1 && busy == 63, "{acquired} acquired, {busy} busy");
+    check!(
+        name,
+        acquired == 1 && busy == 63,
+        "{acquired} acquired, {busy} busy"
+    );
 }
 
 /// 64 concurrent idempotent calls with one key: the operation runs once, and all 64
@@ -374,7 +454,11 @@ pub async fn concurrent_calls_execute_once(store: Arc<dyn Store>) {
         }
     }
     let executions = runs.load(Ordering::SeqCst);
-    check!(name, executions == 1, "the operation ran {executions} times");
+    check!(
+        name,
+        executions == 1,
+        "the operation ran {executions} times"
+    );
     check!(
         name,
         values.iter().all(|v| v == "value-0"),

@@ -104,7 +104,11 @@ fn kill_9(mut child: Child) {
     child.wait().unwrap();
 }
 
-fn runs_in_parent(run: &Run, options: Options, ran: &std::sync::atomic::AtomicUsize) -> Result<Result<String, Error>, Error> {
+fn runs_in_parent(
+    run: &Run,
+    options: Options,
+    ran: &std::sync::atomic::AtomicUsize,
+) -> Result<Result<String, Error>, Error> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -136,7 +140,13 @@ fn crashed_claim_is_rerun_after_its_lease_by_default() {
     assert!(started.elapsed() < LEASE + Duration::from_secs(5));
     // And it is now the stored result.
     let again = runs_in_parent(&run, options(), &ran).unwrap().unwrap();
-    assert_eq!((again.as_str(), ran.load(std::sync::atomic::Ordering::SeqCst)), ("ch_from_the_parent", 1));
+    assert_eq!(
+        (
+            again.as_str(),
+            ran.load(std::sync::atomic::Ordering::SeqCst)
+        ),
+        ("ch_from_the_parent", 1)
+    );
 }
 
 #[test]

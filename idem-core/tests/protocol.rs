@@ -54,8 +54,16 @@ async fn completed_call_is_replayed_without_running_again() {
     let run = memory_run("run-1");
     let outbox = Outbox::default();
     let input = email("ada@example.com", "hi");
-    let first = run.scope(outbox.send(&input, Options::new())).await.unwrap().unwrap();
-    let second = run.scope(outbox.send(&input, Options::new())).await.unwrap().unwrap();
+    let first = run
+        .scope(outbox.send(&input, Options::new()))
+        .await
+        .unwrap()
+        .unwrap();
+    let second = run
+        .scope(outbox.send(&input, Options::new()))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(outbox.sent(), 1);
     assert_eq!(first, second);
 }
@@ -67,7 +75,10 @@ async fn another_run_id_runs_again() {
     let input = email("ada@example.com", "hi");
     for id in ["run-a", "run-b"] {
         let run = Run::new(id).with_store(store.clone());
-        run.scope(outbox.send(&input, Options::new())).await.unwrap().unwrap();
+        run.scope(outbox.send(&input, Options::new()))
+            .await
+            .unwrap()
+            .unwrap();
     }
     assert_eq!(outbox.sent(), 2);
 }
@@ -78,11 +89,23 @@ async fn result_runs_again_after_ttl() {
     let outbox = Outbox::default();
     let input = email("ada@example.com", "hi");
     let options = Options::new().ttl(Duration::from_millis(100));
-    let first = run.scope(outbox.send(&input, options)).await.unwrap().unwrap();
-    let replay = run.scope(outbox.send(&input, options)).await.unwrap().unwrap();
+    let first = run
+        .scope(outbox.send(&input, options))
+        .await
+        .unwrap()
+        .unwrap();
+    let replay = run
+        .scope(outbox.send(&input, options))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((outbox.sent(), &replay), (1, &first));
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let later = run.scope(outbox.send(&input, options)).await.unwrap().unwrap();
+    let later = run
+        .scope(outbox.send(&input, options))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(outbox.sent(), 2);
     assert_ne!(later, first);
 }
@@ -103,12 +126,21 @@ async fn same_key_other_payload_is_payload_mismatch() {
             .await
         }
     };
-    call(email("ada@example.com", "first")).await.unwrap().unwrap();
+    call(email("ada@example.com", "first"))
+        .await
+        .unwrap()
+        .unwrap();
     let err = call(email("ada@example.com", "second")).await.unwrap_err();
     assert!(matches!(err, Error::PayloadMismatch { .. }), "{err}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     // The same payload still replays.
-    assert_eq!(call(email("ada@example.com", "first")).await.unwrap().unwrap(), 0);
+    assert_eq!(
+        call(email("ada@example.com", "first"))
+            .await
+            .unwrap()
+            .unwrap(),
+        0
+    );
 }
 
 #[tokio::test]
@@ -167,13 +199,20 @@ async fn stored_result_of_another_type_is_a_typed_error() {
     .await
     .unwrap_err();
     assert!(matches!(err, Error::StoredResult { .. }), "{err}");
-    assert_eq!(ran.load(Ordering::SeqCst), 0, "a type change must not re-run");
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        0,
+        "a type change must not re-run"
+    );
 }
 
 #[tokio::test]
 async fn call_without_a_run_is_no_run() {
     let err = Call::new(None, "send_email", Options::new(), &1).unwrap_err();
-    assert!(matches!(err, Error::NoRun { ref tool } if tool == "send_email"), "{err}");
+    assert!(
+        matches!(err, Error::NoRun { ref tool } if tool == "send_email"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -352,7 +391,10 @@ async fn call_ids_allow_intentional_repeats_and_tenants_never_share() {
         base.clone().with_tenant("acme"),
         base.clone().with_tenant("globex"),
     ] {
-        run.scope(outbox.send(&input, Options::new())).await.unwrap().unwrap();
+        run.scope(outbox.send(&input, Options::new()))
+            .await
+            .unwrap()
+            .unwrap();
     }
     assert_eq!(outbox.sent(), 4);
 }
@@ -406,7 +448,10 @@ async fn concurrent_duplicates_execute_once_on_memory_and_sled() {
         let State::Completed { result } = record.state else {
             panic!("{record:?}")
         };
-        assert_eq!(serde_json::from_slice::<String>(&result).unwrap(), values[0]);
+        assert_eq!(
+            serde_json::from_slice::<String>(&result).unwrap(),
+            values[0]
+        );
         assert_eq!(record.fingerprint, Fingerprint::of("t", &input).unwrap());
     }
 }

@@ -20,18 +20,27 @@ async fn corrupt_bytes_are_a_typed_error_naming_the_key_and_nothing_else_is_touc
     let run_on = |store: SledStore| Run::new("run-corrupt").with_store(store);
 
     let store = SledStore::open(dir.path()).unwrap();
-    send(&run_on(store.clone()), "ada@example.com", "msg-ada").await.unwrap().unwrap();
-    let bad = Call::new(Some(&run_on(store.clone())), "send_email", Options::new(), &"bob@example.com")
+    send(&run_on(store.clone()), "ada@example.com", "msg-ada")
+        .await
         .unwrap()
-        .key()
-        .clone();
+        .unwrap();
+    let bad = Call::new(
+        Some(&run_on(store.clone())),
+        "send_email",
+        Options::new(),
+        &"bob@example.com",
+    )
+    .unwrap()
+    .key()
+    .clone();
     drop(store);
 
     // Damage one record behind idem's back.
     {
         let db = sled::open(dir.path()).unwrap();
         let tree = db.open_tree(SledStore::TREE).unwrap();
-        tree.insert(bad.as_str(), &b"\x00\x01 not a record"[..]).unwrap();
+        tree.insert(bad.as_str(), &b"\x00\x01 not a record"[..])
+            .unwrap();
         tree.insert("idem-future", &b"idem\x09rest"[..]).unwrap();
         db.flush().unwrap();
     }
@@ -44,17 +53,35 @@ async fn corrupt_bytes_are_a_typed_error_naming_the_key_and_nothing_else_is_touc
         other => panic!("expected CorruptRecord, got {other}"),
     }
     assert!(err.to_string().contains(bad.as_str()));
-    let err = store.get(&idem_core::Key::from_text("idem-future")).await.unwrap_err();
-    assert!(matches!(err, Error::UnsupportedFormat { version: 9, .. }), "{err}");
+    let err = store
+        .get(&idem_core::Key::from_text("idem-future"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::UnsupportedFormat { version: 9, .. }),
+        "{err}"
+    );
 
     // The other record still replays, and purge leaves unreadable records alone.
-    assert_eq!(send(&run, "ada@example.com", "other").await.unwrap().unwrap(), "msg-ada");
+    assert_eq!(
+        send(&run, "ada@example.com", "other")
+            .await
+            .unwrap()
+            .unwrap(),
+        "msg-ada"
+    );
     assert_eq!(store.purge_expired().await.unwrap(), 0);
     assert_eq!(store.len(), 3);
 
     // Deleting the corrupt key lets the call run again.
     assert!(store.delete(&bad).await.unwrap());
-    assert_eq!(send(&run, "bob@example.com", "msg-bob").await.unwrap().unwrap(), "msg-bob");
+    assert_eq!(
+        send(&run, "bob@example.com", "msg-bob")
+            .await
+            .unwrap()
+            .unwrap(),
+        "msg-bob"
+    );
 }
 
 #[tokio::test]
@@ -63,19 +90,37 @@ async fn one_handle_per_path_inside_a_process() {
     let a = SledStore::open(dir.path()).unwrap();
     let b = SledStore::open(dir.path().join(".")).unwrap();
     assert_eq!(a.path(), b.path());
-    send(&Run::new("r").with_store(a), "x", "first").await.unwrap().unwrap();
+    send(&Run::new("r").with_store(a), "x", "first")
+        .await
+        .unwrap()
+        .unwrap();
     // The second handle sees the first one's record at once.
-    assert_eq!(send(&Run::new("r").with_store(b), "x", "second").await.unwrap().unwrap(), "first");
+    assert_eq!(
+        send(&Run::new("r").with_store(b), "x", "second")
+            .await
+            .unwrap()
+            .unwrap(),
+        "first"
+    );
 }
 
 #[tokio::test]
 async fn records_survive_closing_and_reopening() {
     let dir = tempfile::tempdir().unwrap();
     let store = SledStore::open(dir.path()).unwrap();
-    send(&Run::new("r").with_store(store.clone()), "x", "kept").await.unwrap().unwrap();
+    send(&Run::new("r").with_store(store.clone()), "x", "kept")
+        .await
+        .unwrap()
+        .unwrap();
     drop(store);
     let store = SledStore::open(dir.path()).unwrap();
-    assert_eq!(send(&Run::new("r").with_store(store), "x", "new").await.unwrap().unwrap(), "kept");
+    assert_eq!(
+        send(&Run::new("r").with_store(store), "x", "new")
+            .await
+            .unwrap()
+            .unwrap(),
+        "kept"
+    );
 }
 
 #[tokio::test]
@@ -93,14 +138,19 @@ async fn the_sweeper_purges_expired_records() {
     let store = SledStore::open(dir.path()).unwrap();
     let run = Run::new("r").with_store(store.clone());
     let short = Options::new().ttl(Duration::from_millis(50));
-    execute::<Result<u8, Error>, ReleaseErrors, _>(Call::new(Some(&run), "t", short, &1), async { Ok(1) })
-        .await
-        .unwrap()
-        .unwrap();
+    execute::<Result<u8, Error>, ReleaseErrors, _>(Call::new(Some(&run), "t", short, &1), async {
+        Ok(1)
+    })
+    .await
+    .unwrap()
+    .unwrap();
     assert_eq!(store.len(), 1);
-    let _sweeper = idem_core::sweeper::spawn(std::sync::Arc::new(store.clone()), Duration::from_millis(20));
+    let _sweeper = idem_core::sweeper::spawn(
+        std::sync::Arc::new(store.clone()),
+        Duration::from_millis(20),
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while store.len() > 0 {
+    while !store.is_empty() {
         assert!(std::time::Instant::now() < deadline, "sweeper never purged");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -38,15 +38,12 @@ impl MemoryStore {
 
     fn map(&self) -> MutexGuard<'_, HashMap<Key, Record>> {
         // No code path panics while holding the lock; recover the map if one ever did.
-        self.records.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.records
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn fenced(
-        &self,
-        key: &Key,
-        token: Token,
-        outcome: Option<(Outcome<'_>, Duration)>,
-    ) -> Fenced {
+    fn fenced(&self, key: &Key, token: Token, outcome: Option<(Outcome<'_>, Duration)>) -> Fenced {
         let mut map = self.map();
         match decide_fenced(map.get(key), token, outcome, Timestamp::now()) {
             Ok(Some(record)) => {

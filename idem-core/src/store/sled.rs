@@ -156,13 +156,12 @@ impl SledStore {
         token: Token,
         outcome: Option<(Outcome<'_>, Duration)>,
     ) -> Result<Fenced, Error> {
-        let (fenced, wrote) =
-            self.update(key, |current, now| {
-                match decide_fenced(current, token, outcome, now) {
-                    Ok(write) => (Fenced::Applied, Some(write)),
-                    Err(lost) => (lost, None),
-                }
-            })?;
+        let (fenced, wrote) = self.update(key, |current, now| {
+            match decide_fenced(current, token, outcome, now) {
+                Ok(write) => (Fenced::Applied, Some(write)),
+                Err(lost) => (lost, None),
+            }
+        })?;
         if wrote {
             self.flush().await?;
         }

@@ -1,0 +1,154 @@
+//! Parsing and checking the attribute's options.
+
+use proc_macro2::Span;
+use syn::parse::{Parse, ParseStream};
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use syn::{Expr, Ident, LitStr, Path, Token};
+
+use crate::duration;
+
+/// A duration option, checked: milliseconds, and the literal for error spans.
+pub struct DurationArg {
+    pub millis: u64,
+}
+
+/// The attribute's options, as written.
+#[derive(Default)]
+pub struct Args {
+    pub ttl: Option<DurationArg>,
+    pub lease: Option<DurationArg>,
+    pub wait: Option<DurationArg>,
+    pub fail_fast: Option<Span>,
+    pub at_most_once: bool,
+    pub cache_errors: bool,
+    pub name: Option<LitStr>,
+    pub key: Option<Vec<Expr>>,
+    pub skip: Vec<Ident>,
+    pub krate: Option<Path>,
+    pub map_error: Option<Path>,
+}
+
+const OPTIONS: &str = "ttl, lease, wait, fail_fast, at_most_once, cache_errors, name, key, skip, \
+                       map_error, crate";
+
+impl Parse for Args {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = Args::default();
+        let mut seen: Vec<String> = Vec::new();
+        while !input.is_empty() {
+            // `crate` is a keyword: accept it as an option name.
+            let name: Ident = if input.peek(Token![crate]) {
+                let kw: Token![crate] = input.parse()?;
+                Ident::new("crate", kw.span)
+            } else {
+                input.parse()?
+            };
+            let text = name.to_string();
+            if seen.contains(&text) {
+                return Err(syn::Error::new(
+                    name.span(),
+                    format!("duplicate option `{text}`"),
+                ));
+            }
+            seen.push(text.clone());
+            match text.as_str() {
+                "ttl" => args.ttl = Some(duration_value(input)?),
+                "lease" => args.lease = Some(duration_value(input)?),
+                "wait" => args.wait = Some(duration_value(input)?),
+                "fail_fast" => args.fail_fast = Some(name.span()),
+                "at_most_once" => args.at_most_once = true,
+                "cache_errors" => args.cache_errors = true,
+                "name" => {
+                    let lit: LitStr = value(input)?;
+                    if lit.value().is_empty() {
+                        return Err(syn::Error::new_spanned(
+                            &lit,
+                            "the tool name must not be empty",
+                        ));
+                    }
+                    args.name = Some(lit);
+                }
+                "key" => {
+                    input.parse::<Token![=]>()?;
+                    let content;
+                    syn::bracketed!(content in input);
+                    let exprs = Punctuated::<Expr, Token![,]>::parse_terminated(&content)?;
+                    if exprs.is_empty() {
+                        return Err(syn::Error::new(
+                            name.span(),
+                            "`key = []` is empty: name the arguments (or fields, like `input.to`) that form the key, or leave `key` out to use all arguments",
+                        ));
+                    }
+                    args.key = Some(exprs.into_iter().collect());
+                }
+                "skip" => {
+                    input.parse::<Token![=]>()?;
+                    let content;
+                    syn::bracketed!(content in input);
+                    let idents = Punctuated::<Ident, Token![,]>::parse_terminated(&content)?;
+                    args.skip = idents.into_iter().collect();
+                }
+                "crate" => {
+                    let lit: LitStr = value(input)?;
+                    args.krate = Some(lit.parse().map_err(|_| {
+                        syn::Error::new_spanned(
+                            &lit,
+                            "expected a path, like `crate = \"my_crate::idem\"`",
+                        )
+                    })?);
+                }
+                "map_error" => {
+                    input.parse::<Token![=]>()?;
+                    args.map_error = Some(input.parse()?);
+                }
+                _ => {
+                    return Err(syn::Error::new(
+                        name.span(),
+                        format!("unknown option `{text}`; expected one of: {OPTIONS}"),
+                    ))
+                }
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        if let (Some(span), Some(_)) = (args.fail_fast, &args.wait) {
+            return Err(syn::Error::new(
+                span,
+                "`fail_fast` and `wait` contradict each other: fail at once, or wait a bounded time",
+            ));
+        }
+        Ok(args)
+    }
+}
+
+fn value<T: Parse>(input: ParseStream<'_>) -> syn::Result<T> {
+    input.parse::<Token![=]>()?;
+    input.parse()
+}
+
+fn duration_value(input: ParseStream<'_>) -> syn::Result<DurationArg> {
+    let lit: LitStr = value(input)?;
+    match duration::parse_millis(&lit.value()) {
+        Ok(millis) => Ok(DurationArg { millis }),
+        Err(message) => Err(syn::Error::new(lit.span(), message)),
+    }
+}
+
+/// The argument a `key = [...]` entry is rooted at: `input` for `input`, `input.to`,
+/// `input.address.domain`. Anything else (calls, indexing, literals) is an error.
+pub fn key_root(expr: &Expr) -> syn::Result<&Ident> {
+    match expr {
+        Expr::Path(p) if p.qself.is_none() => p
+            .path
+            .get_ident()
+            .ok_or_else(|| syn::Error::new_spanned(p, "expected an argument name, like `input`")),
+        Expr::Field(f) => key_root(&f.base),
+        other => Err(syn::Error::new(
+            other.span(),
+            "a key entry is an argument or a field of one, like `input` or `input.to`",
+        )),
+    }
+}

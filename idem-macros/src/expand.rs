@@ -1,0 +1,296 @@
+//! Code generation: the function, re-emitted with its body wrapped in one runtime call.
+//!
+//! For `async fn send_email(input: SendEmail) -> Result<Sent, ToolError> { body }` the
+//! output is, in substance:
+//!
+//! ```text
+//! async fn send_email(input: SendEmail) -> Result<Sent, ToolError> {
+//!     ::idem::__private::assert_input(&input);
+//!     let __idem_call = ::idem::__private::Call::new(None, "send_email", OPTIONS, &(&input,));
+//!     match ::idem::__private::execute::<Result<Sent, ToolError>, ReleaseErrors, _>(
+//!         __idem_call, async move { body }).await
+//!     {
+//!         Ok(output) => output,                          // run now, or replayed
+//!         Err(error) => from_idem_error(error),          // E: From<idem::Error>
+//!     }
+//! }
+//! ```
+//!
+//! The signature, attributes, visibility and docs are kept as written. A sync function
+//! gets `execute_blocking(.., move || body)`. A function another attribute already
+//! turned into `Box::pin(async move { .. })` (`#[async_trait]`, rmcp's `#[tool]`) keeps
+//! that shape; the wrapping happens inside the boxed future, so the key is derived when
+//! the future first runs (inside the caller's `Run::scope`), not when it is created.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{Block, Expr, FnArg, Ident, ItemFn, Pat, ReturnType, Stmt, Type};
+
+use crate::attr::{key_root, Args};
+
+/// How an argument takes part in the call.
+enum Role {
+    /// The explicit run: `run: &Run` or `run: Run`.
+    Run { by_ref: bool },
+    /// Serialized into the fingerprint (and the key, unless `key = [...]` says otherwise).
+    Input,
+    /// Listed in `skip = [...]`.
+    Skipped,
+}
+
+struct Param {
+    ident: Ident,
+    role: Role,
+}
+
+pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
+    let krate = args
+        .krate
+        .as_ref()
+        .map(|p| quote!(#p))
+        .unwrap_or_else(|| quote!(::idem));
+    let private = quote!(#krate::__private);
+
+    let ret = match &func.sig.output {
+        ReturnType::Type(_, ty) => (**ty).clone(),
+        ReturnType::Default => {
+            return Err(syn::Error::new_spanned(
+                &func.sig,
+                "an `#[idempotent]` function must return `Result<T, E>`: idem stores the `Ok` value and replays it to retries",
+            ))
+        }
+    };
+
+    let params = params(&func, &args)?;
+    let has_receiver = func.sig.receiver().is_some();
+
+    // The tool name: the `name` option, else the function's name (prefixed by the type
+    // for methods, so `call` on two types are two tools).
+    let fn_name = func.sig.ident.to_string();
+    let name = match (&args.name, has_receiver) {
+        (Some(lit), _) => quote!(#lit),
+        (None, true) => quote!(&::std::format!(
+            "{}::{}",
+            ::core::any::type_name::<Self>(),
+            #fn_name
+        )),
+        (None, false) => quote!(#fn_name),
+    };
+
+    let options = options(&args, &private);
+
+    let run = match params.iter().find_map(|p| match p.role {
+        Role::Run { by_ref } => Some((&p.ident, by_ref)),
+        _ => None,
+    }) {
+        Some((ident, true)) => quote!(::core::option::Option::Some(#ident)),
+        Some((ident, false)) => quote!(::core::option::Option::Some(&#ident)),
+        None => quote!(::core::option::Option::None),
+    };
+
+    let inputs: Vec<&Ident> = params
+        .iter()
+        .filter(|p| matches!(p.role, Role::Input))
+        .map(|p| &p.ident)
+        .collect();
+    let mut asserts: Vec<TokenStream> = inputs
+        .iter()
+        .map(|ident| quote_spanned!(ident.span()=> #private::assert_input(&#ident);))
+        .collect();
+    let call = match &args.key {
+        None => quote!(#private::Call::new(#run, #name, #options, &(#(&#inputs,)*))),
+        Some(key) => {
+            asserts.extend(
+                key.iter()
+                    .map(|e| quote_spanned!(e.span()=> #private::assert_input(&#e);)),
+            );
+            quote!(#private::Call::with_key(#run, #name, #options, &(#(&#inputs,)*), &(#(&#key,)*)))
+        }
+    };
+
+    let policy = if args.cache_errors {
+        quote!(#private::CacheErrors)
+    } else {
+        quote!(#private::ReleaseErrors)
+    };
+    let convert = match &args.map_error {
+        Some(map) => quote!(#private::ToolOutput::from_result(
+            ::core::result::Result::Err(#map(__idem_error))
+        )),
+        None => quote_spanned!(ret.span()=> #private::from_idem_error(__idem_error)),
+    };
+    let finish = |executed: TokenStream| {
+        quote! {
+            match #executed {
+                ::core::result::Result::Ok(__idem_output) => __idem_output,
+                ::core::result::Result::Err(__idem_error) => #convert,
+            }
+        }
+    };
+    let call_ident = format_ident!("__idem_call");
+
+    if func.sig.asyncness.is_some() {
+        let block = &func.block;
+        let ret_ty = quote_spanned!(ret.span()=> #ret);
+        let body = finish(quote!(
+            #private::execute::<#ret_ty, #policy, _>(#call_ident, async move #block).await
+        ));
+        *func.block = syn::parse_quote!({
+            #(#asserts)*
+            let #call_ident = #call;
+            #body
+        });
+    } else if let Some(inner) = boxed_async_block(&mut func.block) {
+        // `Box::pin(async move { .. })` from another attribute: wrap the inner block.
+        let stmts = std::mem::take(&mut inner.stmts);
+        let body = finish(quote!(
+            #private::execute::<_, #policy, _>(#call_ident, async move { #(#stmts)* }).await
+        ));
+        inner.stmts = syn::parse_quote!(
+            #(#asserts)*
+            let #call_ident = #call;
+            #body
+        );
+    } else {
+        let block = &func.block;
+        let ret_ty = quote_spanned!(ret.span()=> #ret);
+        let body = finish(quote!(
+            #private::execute_blocking::<#ret_ty, #policy, _>(#call_ident, move || #block)
+        ));
+        *func.block = syn::parse_quote!({
+            #(#asserts)*
+            let #call_ident = #call;
+            #body
+        });
+    }
+    Ok(quote!(#func))
+}
+
+/// Sorts the arguments into run, inputs and skipped, checking `skip` and `key`.
+fn params(func: &ItemFn, args: &Args) -> syn::Result<Vec<Param>> {
+    let mut params = Vec::new();
+    let mut run_seen: Option<Span> = None;
+    for arg in &func.sig.inputs {
+        let FnArg::Typed(typed) = arg else { continue }; // the receiver is never input
+        let ident = match &*typed.pat {
+            Pat::Ident(p) => p.ident.clone(),
+            other => {
+                return Err(syn::Error::new_spanned(
+                    other,
+                    "`#[idempotent]` needs a plain name for each argument (`name: Type`), to put it in the key",
+                ))
+            }
+        };
+        let role = if args.skip.contains(&ident) {
+            Role::Skipped
+        } else if let Some(by_ref) = run_type(&typed.ty) {
+            if let Some(first) = run_seen {
+                let mut err =
+                    syn::Error::new_spanned(&typed.ty, "only one `Run` argument is allowed");
+                err.combine(syn::Error::new(first, "the first `Run` argument is here"));
+                return Err(err);
+            }
+            run_seen = Some(typed.ty.span());
+            Role::Run { by_ref }
+        } else {
+            Role::Input
+        };
+        params.push(Param { ident, role });
+    }
+    for skipped in &args.skip {
+        if !params.iter().any(|p| &p.ident == skipped) {
+            return Err(syn::Error::new_spanned(
+                skipped,
+                format!("`skip`: the function has no argument named `{skipped}`"),
+            ));
+        }
+    }
+    for entry in args.key.iter().flatten() {
+        let root = key_root(entry)?;
+        match params.iter().find(|p| &p.ident == root).map(|p| &p.role) {
+            Some(Role::Input) => {}
+            Some(Role::Run { .. }) => {
+                return Err(syn::Error::new_spanned(
+                    entry,
+                    "the `Run` argument is always part of the key; leave it out of `key = [...]`",
+                ))
+            }
+            Some(Role::Skipped) => {
+                return Err(syn::Error::new_spanned(
+                    entry,
+                    format!("`{root}` is in `skip`, so it cannot be in `key`"),
+                ))
+            }
+            None => {
+                return Err(syn::Error::new_spanned(
+                    entry,
+                    format!("`key`: the function has no argument named `{root}`"),
+                ))
+            }
+        }
+    }
+    Ok(params)
+}
+
+/// `Some(by_ref)` when `ty` is `Run`, `&Run` or a path ending in `Run` (`idem::Run`).
+fn run_type(ty: &Type) -> Option<bool> {
+    let (ty, by_ref) = match ty {
+        Type::Reference(r) if r.mutability.is_none() => (&*r.elem, true),
+        other => (other, false),
+    };
+    match ty {
+        Type::Path(p) if p.qself.is_none() => {
+            let last = p.path.segments.last()?;
+            (last.ident == "Run" && last.arguments.is_none()).then_some(by_ref)
+        }
+        _ => None,
+    }
+}
+
+fn options(args: &Args, private: &TokenStream) -> TokenStream {
+    let mut options = quote!(#private::Options::new());
+    let millis = |ms: u64| quote!(::core::time::Duration::from_millis(#ms));
+    if let Some(ttl) = &args.ttl {
+        let d = millis(ttl.millis);
+        options = quote!(#options.ttl(#d));
+    }
+    if let Some(lease) = &args.lease {
+        let d = millis(lease.millis);
+        options = quote!(#options.lease(#d));
+    }
+    if let Some(wait) = &args.wait {
+        let d = millis(wait.millis);
+        options = quote!(#options.wait(#d));
+    }
+    if args.fail_fast.is_some() {
+        options = quote!(#options.fail_fast());
+    }
+    if args.at_most_once {
+        options = quote!(#options.at_most_once());
+    }
+    options
+}
+
+/// The `async move { .. }` inside a body ending in `Box::pin(async move { .. })`.
+fn boxed_async_block(block: &mut Block) -> Option<&mut Block> {
+    let Some(Stmt::Expr(Expr::Call(call), None)) = block.stmts.last_mut() else {
+        return None;
+    };
+    let Expr::Path(func) = &*call.func else {
+        return None;
+    };
+    let segments: Vec<String> = func
+        .path
+        .segments
+        .iter()
+        .map(|s| s.ident.to_string())
+        .collect();
+    if !segments.ends_with(&["Box".to_string(), "pin".to_string()]) || call.args.len() != 1 {
+        return None;
+    }
+    match call.args.first_mut() {
+        Some(Expr::Async(inner)) => Some(&mut inner.block),
+        _ => None,
+    }
+}

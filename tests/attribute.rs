@@ -1,0 +1,383 @@
+//! `#[idempotent]` as a user writes it: how often each body really ran, and what every
+//! caller got back.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use idem::{idempotent, Error, MemoryStore, Run};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+enum ToolError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+    #[error("provider said no: {0}")]
+    Provider(String),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct SendEmail {
+    to: String,
+    subject: String,
+}
+
+fn email(to: &str, subject: &str) -> SendEmail {
+    SendEmail {
+        to: to.into(),
+        subject: subject.into(),
+    }
+}
+
+fn run(id: &str) -> Run {
+    Run::new(id).with_store(MemoryStore::new())
+}
+
+static SENT: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent(ttl = "24h")]
+async fn send_email(input: SendEmail) -> Result<String, ToolError> {
+    let n = SENT.fetch_add(1, Ordering::SeqCst);
+    Ok(format!("msg-{n}-{}", input.to))
+}
+
+#[tokio::test]
+async fn async_tool_in_a_scoped_run_runs_once() {
+    let before = SENT.load(Ordering::SeqCst);
+    let run = run("scoped");
+    let a = run.scope(send_email(email("ada@x", "hi"))).await.unwrap();
+    let b = run.scope(send_email(email("ada@x", "hi"))).await.unwrap();
+    assert_eq!(a, b);
+    // Another input, and another run, run again.
+    run.scope(send_email(email("bob@x", "hi"))).await.unwrap();
+    Run::new("scoped-2")
+        .with_store(MemoryStore::new())
+        .scope(send_email(email("ada@x", "hi")))
+        .await
+        .unwrap();
+    assert_eq!(SENT.load(Ordering::SeqCst) - before, 3);
+}
+
+#[tokio::test]
+async fn no_run_is_an_error_and_nothing_runs() {
+    let before = SENT.load(Ordering::SeqCst);
+    let err = send_email(email("ada@x", "hi")).await.unwrap_err();
+    assert!(matches!(err, ToolError::Idem(Error::NoRun { ref tool })  if tool == "send_email"));
+    assert_eq!(SENT.load(Ordering::SeqCst), before);
+}
+
+#[idempotent(name = "charge_card", at_most_once)]
+fn charge(run: &Run, card: &str, cents: u64, counter: &Counter) -> Result<String, ToolError> {
+    let _ = run;
+    counter.bump();
+    Ok(format!(
+        "ch_{card}_{cents}_{}",
+        idem::current_key().unwrap()
+    ))
+}
+
+/// Counts side effects; serializes to nothing, so it does not change the key.
+#[derive(Default, Clone)]
+struct Counter(Arc<AtomicUsize>);
+impl Counter {
+    fn bump(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst)
+    }
+    fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+impl Serialize for Counter {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_unit()
+    }
+}
+
+#[test]
+fn sync_tool_with_an_explicit_run_argument() {
+    let run = run("explicit");
+    let counter = Counter::default();
+    let a = charge(&run, "4242", 500, &counter).unwrap();
+    let b = charge(&run, "4242", 500, &counter).unwrap();
+    assert_eq!((a.as_str(), counter.get()), (b.as_str(), 1));
+    // The key the body saw is the one named after `name`, not the function.
+    assert!(a.contains("charge_card."), "{a}");
+    charge(&run, "4242", 700, &counter).unwrap();
+    assert_eq!(counter.get(), 2);
+}
+
+#[idempotent]
+fn sync_ambient(x: u32, counter: &Counter) -> Result<u32, Error> {
+    counter.bump();
+    Ok(x * 2)
+}
+
+#[test]
+fn sync_tool_in_a_sync_scope() {
+    let run = run("sync-scope");
+    let counter = Counter::default();
+    let v = run.sync_scope(|| sync_ambient(21, &counter)).unwrap();
+    let w = run.sync_scope(|| sync_ambient(21, &counter)).unwrap();
+    assert_eq!((v, w, counter.get()), (42, 42, 1));
+    assert!(matches!(
+        sync_ambient(21, &counter),
+        Err(Error::NoRun { .. })
+    ));
+}
+
+#[idempotent(key = [input.to], skip = [counter])]
+async fn keyed_by_recipient(input: SendEmail, counter: Counter) -> Result<usize, ToolError> {
+    Ok(counter.bump())
+}
+
+#[tokio::test]
+async fn key_from_some_fields_and_payload_mismatch() {
+    let run = run("keyed");
+    let counter = Counter::default();
+    let first = run
+        .scope(keyed_by_recipient(email("ada@x", "one"), counter.clone()))
+        .await
+        .unwrap();
+    let err = run
+        .scope(keyed_by_recipient(email("ada@x", "two"), counter.clone()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ToolError::Idem(Error::PayloadMismatch { .. })),
+        "{err}"
+    );
+    let again = run
+        .scope(keyed_by_recipient(email("ada@x", "one"), counter.clone()))
+        .await
+        .unwrap();
+    assert_eq!((first, again, counter.get()), (0, 0, 1));
+}
+
+#[idempotent(skip = [counter])]
+async fn flaky(attempt_fails: bool, counter: Counter) -> Result<usize, ToolError> {
+    let n = counter.bump();
+    if attempt_fails && n == 0 {
+        return Err(ToolError::Provider("timeout".into()));
+    }
+    Ok(n)
+}
+
+#[tokio::test]
+async fn errors_release_the_key_by_default() {
+    let run = run("errors");
+    let counter = Counter::default();
+    let err = run.scope(flaky(true, counter.clone())).await.unwrap_err();
+    assert!(matches!(err, ToolError::Provider(_)));
+    assert_eq!(run.scope(flaky(true, counter.clone())).await.unwrap(), 1);
+    assert_eq!(run.scope(flaky(true, counter.clone())).await.unwrap(), 1);
+    assert_eq!(counter.get(), 2);
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+enum Declined {
+    Card(String),
+    Idem(String),
+}
+impl From<Error> for Declined {
+    fn from(e: Error) -> Self {
+        Declined::Idem(e.to_string())
+    }
+}
+
+#[idempotent(cache_errors, skip = [counter])]
+async fn decline(card: String, counter: Counter) -> Result<u32, Declined> {
+    counter.bump();
+    Err(Declined::Card(card))
+}
+
+#[tokio::test]
+async fn errors_are_replayed_when_cached() {
+    let run = run("cached-errors");
+    let counter = Counter::default();
+    for _ in 0..3 {
+        let err = run.scope(decline("4000".into(), counter.clone())).await;
+        assert_eq!(err, Err(Declined::Card("4000".into())));
+    }
+    assert_eq!(counter.get(), 1);
+}
+
+struct Mailer {
+    sent: Counter,
+}
+
+impl Mailer {
+    #[idempotent]
+    async fn send(&self, to: &str) -> Result<usize, ToolError> {
+        Ok(self.sent.bump())
+    }
+
+    #[idempotent(name = "mailer_bump")]
+    fn bump(&mut self, by: usize) -> Result<usize, ToolError> {
+        Ok(self.sent.bump() + by)
+    }
+}
+
+#[tokio::test]
+async fn methods_leave_the_receiver_out_of_the_key() {
+    let run = run("methods");
+    let a = Mailer {
+        sent: Counter::default(),
+    };
+    let b = Mailer {
+        sent: a.sent.clone(),
+    };
+    run.scope(a.send("ada@x")).await.unwrap();
+    run.scope(b.send("ada@x")).await.unwrap();
+    assert_eq!(a.sent.get(), 1);
+    let mut m = Mailer {
+        sent: Counter::default(),
+    };
+    let x = run.sync_scope(|| m.bump(10)).unwrap();
+    let y = run.sync_scope(|| m.bump(10)).unwrap();
+    assert_eq!((x, y, m.sent.get()), (10, 10, 1));
+}
+
+/// Two tools whose methods are both called `call`, with the same arguments.
+trait Tool {
+    fn call(&self, args: u32) -> Result<String, Error>;
+}
+struct Weather;
+struct Stocks;
+impl Tool for Weather {
+    #[idempotent]
+    fn call(&self, args: u32) -> Result<String, Error> {
+        Ok(format!("weather {args} {}", idem::current_key().unwrap()))
+    }
+}
+impl Tool for Stocks {
+    #[idempotent]
+    fn call(&self, args: u32) -> Result<String, Error> {
+        Ok(format!("stocks {args} {}", idem::current_key().unwrap()))
+    }
+}
+
+#[test]
+fn same_method_name_on_two_types_is_two_tools() {
+    let run = run("two-tools");
+    let w = run.sync_scope(|| Weather.call(1)).unwrap();
+    let s = run.sync_scope(|| Stocks.call(1)).unwrap();
+    assert!(
+        w.starts_with("weather") && s.starts_with("stocks"),
+        "{w} / {s}"
+    );
+}
+
+#[idempotent]
+async fn generic_tool<T: Serialize + Send + Sync>(
+    item: T,
+    tag: impl Serialize + Send,
+) -> Result<String, Error> {
+    Ok(serde_json::to_string(&item).unwrap())
+}
+
+#[tokio::test]
+async fn generic_and_impl_trait_arguments() {
+    let run = run("generic");
+    let a = run.scope(generic_tool(vec![1, 2], "t")).await.unwrap();
+    let b = run.scope(generic_tool("s", 5)).await.unwrap();
+    assert_eq!((a.as_str(), b.as_str()), ("[1,2]", "\"s\""));
+}
+
+#[idempotent]
+async fn inner_tool(n: u32, counter: &Counter) -> Result<String, Error> {
+    counter.bump();
+    Ok(idem::current_key().unwrap().to_string())
+}
+
+#[idempotent]
+async fn outer_tool(n: u32, counter: &Counter) -> Result<(String, String, String), Error> {
+    counter.bump();
+    let before = idem::current_key().unwrap().to_string();
+    let inner = inner_tool(n, counter).await?;
+    Ok((before, inner, idem::current_key().unwrap().to_string()))
+}
+
+#[tokio::test]
+async fn nested_tools_are_keyed_separately() {
+    let run = run("nested");
+    let counter = Counter::default();
+    let (outer, inner, after) = run.scope(outer_tool(1, &counter)).await.unwrap();
+    assert_ne!(outer, inner);
+    assert_eq!(outer, after);
+    assert!(outer.starts_with("outer_tool.") && inner.starts_with("inner_tool."));
+    run.scope(outer_tool(1, &counter)).await.unwrap();
+    // Inner directly, with the same input, is a replay of the nested call.
+    assert_eq!(run.scope(inner_tool(1, &counter)).await.unwrap(), inner);
+    assert_eq!(counter.get(), 2);
+}
+
+#[async_trait::async_trait]
+trait AsyncTool {
+    async fn call(&self, args: SendEmail) -> Result<String, ToolError>;
+}
+
+struct AsyncMailer(Counter);
+
+#[async_trait::async_trait]
+impl AsyncTool for AsyncMailer {
+    #[idempotent(name = "async_mailer")]
+    async fn call(&self, args: SendEmail) -> Result<String, ToolError> {
+        let n = self.0.bump();
+        Ok(format!("{n} {}", args.to))
+    }
+}
+
+#[tokio::test]
+async fn methods_of_async_trait_impls() {
+    let run = run("async-trait");
+    let tool: Box<dyn AsyncTool + Send + Sync> = Box::new(AsyncMailer(Counter::default()));
+    // The future is created outside the scope and first polled inside it.
+    let fut = tool.call(email("ada@x", "hi"));
+    let a = run.scope(fut).await.unwrap();
+    let b = run.scope(tool.call(email("ada@x", "hi"))).await.unwrap();
+    assert_eq!(a, b);
+    assert!(matches!(
+        tool.call(email("ada@x", "hi")).await,
+        Err(ToolError::Idem(Error::NoRun { .. }))
+    ));
+}
+
+#[derive(Debug, PartialEq)]
+struct PlainError(String);
+
+fn to_plain(e: Error) -> PlainError {
+    PlainError(format!("idem: {e}"))
+}
+
+#[idempotent(map_error = to_plain, fail_fast)]
+async fn mapped(x: u8) -> Result<u8, PlainError> {
+    Ok(x)
+}
+
+#[tokio::test]
+async fn map_error_converts_idem_errors() {
+    let err = mapped(1).await.unwrap_err();
+    assert!(err.0.starts_with("idem: no run"), "{err:?}");
+}
+
+#[idempotent(lease = "100ms", wait = "2s")]
+async fn slow(x: u8, counter: &Counter) -> Result<usize, Error> {
+    let n = counter.bump();
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    Ok(n + usize::from(x))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_execute_once() {
+    let run = run("concurrent");
+    let counter = Counter::default();
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let (run, counter) = (run.clone(), counter.clone());
+            tokio::spawn(async move { run.scope(slow(7, &counter)).await })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap(), 7);
+    }
+    assert_eq!(counter.get(), 1);
+}
