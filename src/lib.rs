@@ -88,7 +88,7 @@ pub use idem_macros::idempotent;
 #[doc(hidden)]
 pub mod __private {
     pub use idem_core::protocol::{
-        assert_input, execute, execute_blocking, from_idem_error, CacheErrors, Call, ReleaseErrors,
+        execute, execute_blocking, from_idem_error, CacheErrors, Call, KeyInput, ReleaseErrors,
         ToolOutput,
     };
     pub use idem_core::Options;

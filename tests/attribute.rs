@@ -381,3 +381,21 @@ async fn concurrent_duplicates_execute_once() {
     }
     assert_eq!(counter.get(), 1);
 }
+
+/// A crate that re-exports idem under another path.
+mod reexport {
+    pub use idem as engine;
+}
+
+#[idempotent(crate = "crate::reexport::engine")]
+async fn through_a_reexport(x: u8) -> Result<u8, Error> {
+    Ok(x)
+}
+
+#[tokio::test]
+async fn crate_option_points_generated_code_elsewhere() {
+    assert_eq!(
+        run("reexport").scope(through_a_reexport(3)).await.unwrap(),
+        3
+    );
+}

@@ -43,7 +43,7 @@ use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::wait::{self, AsyncPause, BlockingPause, Pause};
 use crate::{Error, Fingerprint, Key, KeyParts, Run};
 
-/// What a tool function returns: a `Result`.
+/// What a tool function returns: a `Result` whose `Ok` value idem can store.
 #[diagnostic::on_unimplemented(
     message = "an `#[idempotent]` function must return `Result<T, E>`, not `{Self}`",
     label = "idem stores the `Ok` value and replays it; return a `Result`",
@@ -51,7 +51,7 @@ use crate::{Error, Fingerprint, Key, KeyParts, Run};
 )]
 pub trait ToolOutput: Sized {
     /// The success type, stored and replayed.
-    type Ok;
+    type Ok: Replayable;
     /// The error type.
     type Err;
     /// Splits the output.
@@ -60,7 +60,7 @@ pub trait ToolOutput: Sized {
     fn from_result(result: Result<Self::Ok, Self::Err>) -> Self;
 }
 
-impl<T, E> ToolOutput for Result<T, E> {
+impl<T: Replayable, E> ToolOutput for Result<T, E> {
     type Ok = T;
     type Err = E;
     fn into_result(self) -> Result<T, E> {
@@ -219,7 +219,6 @@ impl Call {
 pub async fn execute<R, C, Fut>(call: Result<Call, Error>, operation: Fut) -> Result<R, Error>
 where
     R: ToolOutput,
-    R::Ok: Replayable,
     C: ErrorPolicy<R::Err>,
     Fut: Future<Output = R>,
 {
@@ -238,7 +237,6 @@ where
 pub fn execute_blocking<R, C, F>(call: Result<Call, Error>, operation: F) -> Result<R, Error>
 where
     R: ToolOutput,
-    R::Ok: Replayable,
     C: ErrorPolicy<R::Err>,
     F: FnOnce() -> R,
 {
@@ -270,7 +268,6 @@ const POLL_CAP: Duration = Duration::from_millis(100);
 async fn acquire<R, C, P>(call: &Call) -> Result<Acquired<R>, Error>
 where
     R: ToolOutput,
-    R::Ok: Replayable,
     C: ErrorPolicy<R::Err>,
     P: Pause,
 {
@@ -362,7 +359,6 @@ where
 async fn finish<R, C>(call: &Call, owner: Owner, output: R) -> Result<R, Error>
 where
     R: ToolOutput,
-    R::Ok: Replayable,
     C: ErrorPolicy<R::Err>,
 {
     let key = &call.key;
@@ -436,16 +432,15 @@ where
     R::from_result(Err(R::Err::from(error)))
 }
 
-/// An argument that can be part of an idempotency key: `Serialize`.
+/// An argument that can be part of an idempotency key: any `Serialize` type.
+///
+/// The attribute passes each argument as `&dyn KeyInput`, so an argument that does not
+/// serialize is one compile error, at that argument.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be part of an idempotency key: it does not implement `serde::Serialize`",
     label = "this argument is hashed into the key",
     note = "derive `Serialize` for it, or, if it is context (a client, a connection) rather than input, list it in `skip = [...]`"
 )]
-pub trait KeyInput {}
+pub trait KeyInput: erased_serde::Serialize {}
 impl<T: Serialize + ?Sized> KeyInput for T {}
-
-/// Checks at compile time that an argument can be hashed into the key. Emitted by the
-/// attribute, one per argument, so the error points at the argument.
-#[inline(always)]
-pub fn assert_input<T: KeyInput + ?Sized>(_: &T) {}
+erased_serde::serialize_trait_object!(KeyInput);

@@ -3,7 +3,6 @@
 use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::punctuated::Punctuated;
-use syn::spanned::Spanned;
 use syn::{Expr, Ident, LitStr, Path, Token};
 
 use crate::duration;
@@ -146,8 +145,8 @@ pub fn key_root(expr: &Expr) -> syn::Result<&Ident> {
             .get_ident()
             .ok_or_else(|| syn::Error::new_spanned(p, "expected an argument name, like `input`")),
         Expr::Field(f) => key_root(&f.base),
-        other => Err(syn::Error::new(
-            other.span(),
+        other => Err(syn::Error::new_spanned(
+            other,
             "a key entry is an argument or a field of one, like `input` or `input.to`",
         )),
     }

@@ -5,8 +5,8 @@
 //!
 //! ```text
 //! async fn send_email(input: SendEmail) -> Result<Sent, ToolError> {
-//!     ::idem::__private::assert_input(&input);
-//!     let __idem_call = ::idem::__private::Call::new(None, "send_email", OPTIONS, &(&input,));
+//!     let __idem_call = ::idem::__private::Call::new(
+//!         None, "send_email", OPTIONS, &[&input as &dyn KeyInput]);
 //!     match ::idem::__private::execute::<Result<Sent, ToolError>, ReleaseErrors, _>(
 //!         __idem_call, async move { body }).await
 //!     {
@@ -89,26 +89,31 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         None => quote!(::core::option::Option::None),
     };
 
-    let inputs: Vec<&Ident> = params
+    // Each input as `&dyn KeyInput`, spanned at the argument: an argument that does not
+    // serialize is one error, there.
+    let as_input = |e: &dyn quote::ToTokens| {
+        let span = e.span();
+        quote_spanned!(span=> &#e as &dyn #private::KeyInput)
+    };
+    let inputs: Vec<TokenStream> = params
         .iter()
         .filter(|p| matches!(p.role, Role::Input))
-        .map(|p| &p.ident)
+        .map(|p| as_input(&p.ident))
         .collect();
-    let mut asserts: Vec<TokenStream> = inputs
-        .iter()
-        .map(|ident| quote_spanned!(ident.span()=> #private::assert_input(&#ident);))
-        .collect();
+    let inputs = quote!(&[#(#inputs),*] as &[&dyn #private::KeyInput]);
     let call = match &args.key {
-        None => quote!(#private::Call::new(#run, #name, #options, &(#(&#inputs,)*))),
+        None => quote!(#private::Call::new(#run, #name, #options, #inputs)),
         Some(key) => {
-            asserts.extend(
-                key.iter()
-                    .map(|e| quote_spanned!(e.span()=> #private::assert_input(&#e);)),
-            );
-            quote!(#private::Call::with_key(#run, #name, #options, &(#(&#inputs,)*), &(#(&#key,)*)))
+            let key: Vec<TokenStream> = key.iter().map(|e| as_input(e)).collect();
+            quote!(#private::Call::with_key(
+                #run, #name, #options, #inputs, &[#(#key),*] as &[&dyn #private::KeyInput]
+            ))
         }
     };
 
+    // The runtime calls carry bounds on the return type (`Result`, `Serialize`,
+    // `From<idem::Error>`): span them at it, so that is where errors point.
+    let private = respan(private, ret.span());
     let policy = if args.cache_errors {
         quote!(#private::CacheErrors)
     } else {
@@ -132,12 +137,10 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
 
     if func.sig.asyncness.is_some() {
         let block = &func.block;
-        let ret_ty = quote_spanned!(ret.span()=> #ret);
-        let body = finish(quote!(
-            #private::execute::<#ret_ty, #policy, _>(#call_ident, async move #block).await
+        let body = finish(quote_spanned!(ret.span()=>
+            #private::execute::<#ret, #policy, _>(#call_ident, async move #block).await
         ));
         *func.block = syn::parse_quote!({
-            #(#asserts)*
             let #call_ident = #call;
             #body
         });
@@ -148,18 +151,15 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             #private::execute::<_, #policy, _>(#call_ident, async move { #(#stmts)* }).await
         ));
         inner.stmts = syn::parse_quote!(
-            #(#asserts)*
             let #call_ident = #call;
             #body
         );
     } else {
         let block = &func.block;
-        let ret_ty = quote_spanned!(ret.span()=> #ret);
-        let body = finish(quote!(
-            #private::execute_blocking::<#ret_ty, #policy, _>(#call_ident, move || #block)
+        let body = finish(quote_spanned!(ret.span()=>
+            #private::execute_blocking::<#ret, #policy, _>(#call_ident, move || #block)
         ));
         *func.block = syn::parse_quote!({
-            #(#asserts)*
             let #call_ident = #call;
             #body
         });
@@ -270,6 +270,24 @@ fn options(args: &Args, private: &TokenStream) -> TokenStream {
         options = quote!(#options.at_most_once());
     }
     options
+}
+
+/// `tokens`, every token of them spanned at `span`.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut tree| {
+            if let proc_macro2::TokenTree::Group(group) = &tree {
+                let mut inner =
+                    proc_macro2::Group::new(group.delimiter(), respan(group.stream(), span));
+                inner.set_span(span);
+                tree = proc_macro2::TokenTree::Group(inner);
+            } else {
+                tree.set_span(span);
+            }
+            tree
+        })
+        .collect()
 }
 
 /// The `async move { .. }` inside a body ending in `Box::pin(async move { .. })`.

@@ -1,0 +1,9 @@
+#[derive(Debug)]
+struct MyError;
+
+#[idem::idempotent]
+async fn tool(x: u32) -> Result<u32, MyError> {
+    Ok(x)
+}
+
+fn main() {}
