@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
 use idem_core::{execute, Call, Error, Options, ReleaseErrors, Run, SledStore};
@@ -29,7 +31,11 @@ fn crash_child() {
         return;
     };
     let dir = PathBuf::from(std::env::var(DIR).unwrap());
-    let store = SledStore::open(dir.join("store")).unwrap();
+    let store_dir = match role.as_str() {
+        "default-store" => "unused",
+        _ => "store",
+    };
+    let store = SledStore::open(dir.join(store_dir)).unwrap();
     let run = Run::new(std::env::var(RUN).unwrap()).with_store(store);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -61,6 +67,20 @@ fn crash_child() {
                 std::fs::write(dir.join("marker"), v).unwrap();
                 std::future::pending::<()>().await;
             }
+            // Complete a call on the default store (`IDEM_DIR`), then exit normally.
+            "default-store" => {
+                drop(run);
+                let run = Run::new(std::env::var(RUN).unwrap());
+                let v = execute::<Result<String, Error>, ReleaseErrors, _>(
+                    call(&run, options()),
+                    async { Ok("on_the_default_store".to_string()) },
+                )
+                .await
+                .unwrap()
+                .unwrap();
+                std::fs::write(dir.join("marker"), v).unwrap();
+                std::future::pending::<()>().await;
+            }
             // Hold the store open.
             "hold" => {
                 std::fs::write(dir.join("marker"), "open").unwrap();
@@ -77,6 +97,7 @@ fn spawn_child(role: &str, dir: &Path, run_id: &str) -> Child {
         .env(ROLE, role)
         .env(DIR, dir)
         .env(RUN, run_id)
+        .env(idem_core::run::DIR_ENV, dir.join("store"))
         .spawn()
         .unwrap()
 }
@@ -104,10 +125,22 @@ fn kill_9(mut child: Child) {
     child.wait().unwrap();
 }
 
+/// Runs a child in `role` until it writes its marker, kills it with SIGKILL, and
+/// returns its directory, a run on its store, and what the marker said.
+fn killed_child(role: &str, run_id: &str) -> (tempfile::TempDir, Run, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = spawn_child(role, dir.path(), run_id);
+    let marker = wait_for_marker(dir.path(), &mut child);
+    kill_9(child);
+    let store = SledStore::open(dir.path().join("store")).unwrap();
+    let run = Run::new(run_id).with_store(store);
+    (dir, run, marker)
+}
+
 fn runs_in_parent(
     run: &Run,
     options: Options,
-    ran: &std::sync::atomic::AtomicUsize,
+    ran: &AtomicUsize,
 ) -> Result<Result<String, Error>, Error> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -116,7 +149,7 @@ fn runs_in_parent(
     rt.block_on(execute::<Result<String, Error>, ReleaseErrors, _>(
         call(run, options),
         async {
-            ran.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            ran.fetch_add(1, SeqCst);
             Ok("ch_from_the_parent".to_string())
         },
     ))
@@ -124,62 +157,41 @@ fn runs_in_parent(
 
 #[test]
 fn crashed_claim_is_rerun_after_its_lease_by_default() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = spawn_child("hang", dir.path(), "run-rerun");
-    wait_for_marker(dir.path(), &mut child);
-    kill_9(child);
-
-    let store = SledStore::open(dir.path().join("store")).unwrap();
-    let run = Run::new("run-rerun").with_store(store);
-    let ran = std::sync::atomic::AtomicUsize::new(0);
+    let (_dir, run, _) = killed_child("hang", "run-rerun");
+    let ran = AtomicUsize::new(0);
     let started = Instant::now();
     // The claim is still there: this call waits out the lease, takes over and runs.
     let got = runs_in_parent(&run, options(), &ran).unwrap().unwrap();
     assert_eq!(got, "ch_from_the_parent");
-    assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(ran.load(SeqCst), 1);
     assert!(started.elapsed() < LEASE + Duration::from_secs(5));
     // And it is now the stored result.
     let again = runs_in_parent(&run, options(), &ran).unwrap().unwrap();
     assert_eq!(
-        (
-            again.as_str(),
-            ran.load(std::sync::atomic::Ordering::SeqCst)
-        ),
+        (again.as_str(), ran.load(SeqCst)),
         ("ch_from_the_parent", 1)
     );
 }
 
 #[test]
 fn crashed_claim_is_outcome_unknown_when_at_most_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = spawn_child("hang", dir.path(), "run-amo");
-    wait_for_marker(dir.path(), &mut child);
-    kill_9(child);
-
-    let store = SledStore::open(dir.path().join("store")).unwrap();
-    let run = Run::new("run-amo").with_store(store);
-    let ran = std::sync::atomic::AtomicUsize::new(0);
+    let (_dir, run, _) = killed_child("hang", "run-amo");
+    let ran = AtomicUsize::new(0);
     for _ in 0..2 {
         let err = runs_in_parent(&run, options().at_most_once(), &ran).unwrap_err();
         assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
     }
-    assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(ran.load(SeqCst), 0);
 }
 
 #[test]
 fn completed_call_survives_kill_9_and_is_replayed() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = spawn_child("complete", dir.path(), "run-done");
-    let childs_value = wait_for_marker(dir.path(), &mut child);
     // Killed right after the call returned: the record must already be on disk.
-    kill_9(child);
-
-    let store = SledStore::open(dir.path().join("store")).unwrap();
-    let run = Run::new("run-done").with_store(store);
-    let ran = std::sync::atomic::AtomicUsize::new(0);
+    let (_dir, run, childs_value) = killed_child("complete", "run-done");
+    let ran = AtomicUsize::new(0);
     let got = runs_in_parent(&run, options(), &ran).unwrap().unwrap();
     assert_eq!(got, childs_value);
-    assert_eq!(ran.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(ran.load(SeqCst), 0);
 }
 
 #[test]
@@ -195,4 +207,13 @@ fn store_open_in_another_process_is_a_clear_error_not_a_hang() {
     kill_9(child);
     // Once the other process is gone, the store opens.
     SledStore::open(dir.path().join("store")).unwrap();
+}
+
+#[test]
+fn default_store_is_sled_in_idem_dir() {
+    // The child calls with `Run::new(..)` and no store; `IDEM_DIR` points at `store`.
+    let (_dir, run, childs_value) = killed_child("default-store", "run-default");
+    let ran = AtomicUsize::new(0);
+    let got = runs_in_parent(&run, options(), &ran).unwrap().unwrap();
+    assert_eq!((got.as_str(), ran.load(SeqCst)), (childs_value.as_str(), 0));
 }
