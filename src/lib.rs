@@ -82,6 +82,10 @@ pub use idem_core::{
     set_default_store, store, sweeper, Call, Delivery, Error, Fingerprint, Key, MemoryStore,
     OnBusy, Options, Record, Run, SledStore, State, Store,
 };
+#[cfg(feature = "postgres")]
+pub use idem_core::{PostgresStore, PostgresStoreBuilder};
+#[cfg(feature = "redis")]
+pub use idem_core::{RedisStore, RedisStoreBuilder};
 pub use idem_macros::idempotent;
 
 /// What generated code calls. Not public API: may change in any release.

@@ -12,7 +12,7 @@
 //! | the protocol (claim → run → complete / release) | [`protocol`] |
 //! | per-tool options (TTL, lease, waiting, delivery) | [`options`] |
 //! | the run context, `current_key`, the default store | [`run`] |
-//! | the stores | [`MemoryStore`], [`SledStore`] |
+//! | the stores | [`MemoryStore`], [`SledStore`], `PostgresStore` (feature `postgres`), `RedisStore` (feature `redis`) |
 //! | removing expired records in the background | [`sweeper`] |
 //! | the store conformance suite (feature `testing`) | `testing` |
 //!
@@ -47,5 +47,9 @@ pub use protocol::{
 pub use record::{Record, State, Timestamp, Token};
 pub use run::{current_key, default_store, default_store_dir, set_default_store, Run};
 pub use store::memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use store::postgres::{PostgresStore, PostgresStoreBuilder};
+#[cfg(feature = "redis")]
+pub use store::redis::{RedisStore, RedisStoreBuilder};
 pub use store::sled::SledStore;
 pub use store::Store;

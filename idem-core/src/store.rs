@@ -225,4 +225,8 @@ pub fn decide_fenced(
 }
 
 pub mod memory;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
 pub mod sled;

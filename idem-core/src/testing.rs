@@ -373,7 +373,8 @@ pub async fn fenced_writes_on_unclaimed_key_are_rejected(store: &dyn Store) {
     check!(name, record.is_none(), "get returned {record:?}");
 }
 
-/// `purge_expired` removes expired records and keeps live ones.
+/// `purge_expired` keeps live records; expired ones are absent after it (removed by
+/// the purge, or by the store's own expiry).
 pub async fn purge_removes_only_expired(store: &dyn Store) {
     let name = "purge_removes_only_expired";
     let short = unique_key(name);
@@ -390,8 +391,7 @@ pub async fn purge_removes_only_expired(store: &dyn Store) {
         .await;
     }
     tokio::time::sleep(PAST_SHORT).await;
-    let removed = ok(name, store.purge_expired().await).await;
-    check!(name, removed >= 1, "purge removed {removed} records");
+    ok(name, store.purge_expired().await).await;
     let gone = ok(name, store.get(&short).await).await;
     check!(name, gone.is_none(), "expired record after purge: {gone:?}");
     let kept = ok(name, store.get(&long).await).await;

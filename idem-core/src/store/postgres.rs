@@ -1,0 +1,559 @@
+//! `PostgresStore`: records in one PostgreSQL table, shared by a fleet of workers
+//! (feature `postgres`).
+//!
+//! # Schema
+//!
+//! Created by [`PostgresStore::migrate`] (which [`PostgresStore::connect`] runs), under
+//! an advisory lock so workers starting together do not race. The table name is
+//! configurable (`idem_records` by default):
+//!
+//! ```sql
+//! CREATE TABLE IF NOT EXISTS idem_records (
+//!     key         text        PRIMARY KEY,  -- `<tool>.<sha-256 hex>`
+//!     fingerprint bytea       NOT NULL,     -- SHA-256 of the call's whole input
+//!     state       smallint    NOT NULL,     -- 0 in progress, 1 completed, 2 failed
+//!     token       bytea       NOT NULL,     -- fencing token of the call that claimed it
+//!     lease_until timestamptz,              -- in progress: when the claim counts as abandoned
+//!     payload     bytea,                    -- completed / failed: the result or error, JSON
+//!     created_at  timestamptz NOT NULL,
+//!     expires_at  timestamptz NOT NULL      -- the row is absent to idem from then on
+//! );
+//! CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at);
+//! ```
+//!
+//! # Statements
+//!
+//! Every time comes from the **database clock** (`now()`), so workers with skewed
+//! clocks agree on leases and expiry.
+//!
+//! - **claim** reads the row and the database time in one `SELECT`; a completed row
+//!   (the hit path) needs nothing more. Otherwise the claim rule
+//!   ([`decide_claim`](crate::store::decide_claim)) picks the row to write, and the write
+//!   is conditional on the row being unchanged: `INSERT .. ON CONFLICT (key) DO
+//!   NOTHING` for an absent key, `UPDATE .. WHERE key = $1 AND state = $s AND token =
+//!   $t` to replace an expired, abandoned or failed one. Of any number of concurrent
+//!   claimers exactly one write succeeds; the others read again and find it.
+//! - **complete**: `UPDATE .. SET state = 1, payload = $p, expires_at = now() + ttl
+//!   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`.
+//! - **release**: `DELETE .. WHERE key = $1 AND state = 0 AND token = $2 AND
+//!   expires_at > now()`.
+//! - **purge**: `DELETE FROM idem_records WHERE expires_at <= now()`.
+//!
+//! # Failures
+//!
+//! Every operation is bounded by the store's timeout (5 seconds by default, covering
+//! the connection, the wait for a pooled connection and the statement): an unreachable
+//! or stopped server is an [`Error::Store`] within that time, and the operation is not
+//! run.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::{NoTls, Row};
+
+use crate::record::{Record, State, Timestamp, Token};
+use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::{Error, Fingerprint, Key};
+
+const STORE: &str = "postgres";
+
+/// A store in a PostgreSQL table, for workers on many machines. Cheap to clone.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idem_core::Error> {
+/// use idem_core::{PostgresStore, Run};
+///
+/// let store = PostgresStore::connect("postgres://app@db.internal/agents").await?;
+/// let run = Run::new("run-42").with_store(store);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    table: String,
+    timeout: Duration,
+    sql: Sql,
+}
+
+/// Configures a [`PostgresStore`]: table name, timeout, pool size.
+#[derive(Debug, Clone)]
+pub struct PostgresStoreBuilder {
+    url: String,
+    table: String,
+    timeout: Duration,
+    max_connections: usize,
+}
+
+impl PostgresStoreBuilder {
+    /// The table that holds the records (`idem_records` by default). A plain or
+    /// schema-qualified identifier: letters, digits and `_`, not starting with a digit.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The bound on every operation, connecting included (5 seconds by default).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The most connections the store's pool opens (16 by default).
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// Builds the store without connecting: connections open on first use. Does not
+    /// create the table; call [`PostgresStore::migrate`].
+    pub fn build(self) -> Result<PostgresStore, Error> {
+        let table = quote_table(&self.table)?;
+        let mut config: tokio_postgres::Config = self
+            .url
+            .parse()
+            .map_err(|e| Error::store(STORE, format!("invalid connection URL: {e}")))?;
+        config.connect_timeout(self.timeout);
+        config.keepalives(true);
+        config.keepalives_idle(Duration::from_secs(30));
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(self.max_connections)
+            .wait_timeout(Some(self.timeout))
+            .create_timeout(Some(self.timeout))
+            .recycle_timeout(Some(self.timeout))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| Error::store(STORE, e))?;
+        Ok(PostgresStore {
+            inner: Arc::new(Inner {
+                pool,
+                sql: Sql::new(&table),
+                table,
+                timeout: self.timeout,
+            }),
+        })
+    }
+
+    /// Builds the store, connects, and creates the table if it is missing.
+    pub async fn connect(self) -> Result<PostgresStore, Error> {
+        let store = self.build()?;
+        store.migrate().await?;
+        Ok(store)
+    }
+}
+
+/// `"schema"."table"`, or an error for anything but plain identifiers.
+fn quote_table(name: &str) -> Result<String, Error> {
+    let parts: Vec<&str> = name.split('.').collect();
+    let valid = |p: &&str| {
+        !p.is_empty()
+            && p.len() <= 63
+            && !p.starts_with(|c: char| c.is_ascii_digit())
+            && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    if parts.len() > 2 || !parts.iter().all(valid) {
+        return Err(Error::store(
+            STORE,
+            format!("invalid table name `{name}`: use letters, digits and `_` (optionally `schema.table`)"),
+        ));
+    }
+    Ok(parts
+        .iter()
+        .map(|p| format!("\"{p}\""))
+        .collect::<Vec<_>>()
+        .join("."))
+}
+
+/// The statements, with the table name filled in.
+struct Sql {
+    read: String,
+    insert: String,
+    replace: String,
+    complete: String,
+    release: String,
+    delete: String,
+    purge: String,
+}
+
+/// Milliseconds since the Unix epoch of a `timestamptz` expression.
+fn ms(expr: &str) -> String {
+    format!("(extract(epoch from {expr}) * 1000)::int8")
+}
+
+/// A `timestamptz` from a parameter holding milliseconds since the Unix epoch.
+fn ts(param: &str) -> String {
+    format!("('epoch'::timestamptz + {param}::int8 * interval '1 millisecond')")
+}
+
+impl Sql {
+    fn new(t: &str) -> Self {
+        Sql {
+            read: format!(
+                "SELECT r.fingerprint, r.state, r.token, {lease}, r.payload, {created}, {expires}, {now} \
+                 FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1",
+                lease = ms("r.lease_until"),
+                created = ms("r.created_at"),
+                expires = ms("r.expires_at"),
+                now = ms("now()"),
+            ),
+            insert: format!(
+                "INSERT INTO {t} (key, fingerprint, state, token, lease_until, payload, created_at, expires_at) \
+                 VALUES ($1, $2, 0, $3, {}, NULL, {}, {}) ON CONFLICT (key) DO NOTHING",
+                ts("$4"),
+                ts("$5"),
+                ts("$6"),
+            ),
+            replace: format!(
+                "UPDATE {t} SET fingerprint = $2, state = 0, token = $3, lease_until = {}, payload = NULL, \
+                 created_at = {}, expires_at = {} WHERE key = $1 AND state = $7 AND token = $8",
+                ts("$4"),
+                ts("$5"),
+                ts("$6"),
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = $3, payload = $4, lease_until = NULL, created_at = now(), \
+                 expires_at = now() + $5::int8 * interval '1 millisecond' \
+                 WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
+            ),
+            delete: format!("DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now()"),
+            purge: format!("DELETE FROM {t} WHERE expires_at <= now()"),
+        }
+    }
+}
+
+fn pg_error(e: impl std::fmt::Display) -> Error {
+    Error::store(STORE, e.to_string())
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn state_code(state: &State) -> i16 {
+    match state {
+        State::InProgress { .. } => 0,
+        State::Completed { .. } => 1,
+        State::Failed { .. } => 2,
+    }
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user@host:port/db`) with the defaults and creates
+    /// the table if it is missing.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        Self::builder(url).connect().await
+    }
+
+    /// A builder, to choose the table, the timeout or the pool size.
+    pub fn builder(url: &str) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            url: url.to_owned(),
+            table: "idem_records".to_owned(),
+            timeout: Duration::from_secs(5),
+            max_connections: 16,
+        }
+    }
+
+    /// The table, quoted as it appears in SQL.
+    pub fn table(&self) -> &str {
+        &self.inner.table
+    }
+
+    /// Creates the table and its index if they are missing (idempotent; safe to run from
+    /// many workers at once).
+    pub async fn migrate(&self) -> Result<(), Error> {
+        let t = &self.inner.table;
+        let index = format!(
+            "\"{}_expires_at\"",
+            t.rsplit('.').next().unwrap_or(t).trim_matches('"')
+        );
+        let sql = format!(
+            "BEGIN;
+             SELECT pg_advisory_xact_lock(hashtext('idem migrate ' || '{lock}'));
+             CREATE TABLE IF NOT EXISTS {t} (
+                 key         text        PRIMARY KEY,
+                 fingerprint bytea       NOT NULL,
+                 state       smallint    NOT NULL,
+                 token       bytea       NOT NULL,
+                 lease_until timestamptz,
+                 payload     bytea,
+                 created_at  timestamptz NOT NULL,
+                 expires_at  timestamptz NOT NULL
+             );
+             CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at);
+             COMMIT;",
+            lock = t.replace('\'', ""),
+        );
+        self.bounded(async {
+            let client = self.inner.pool.get().await.map_err(pg_error)?;
+            client.batch_execute(&sql).await.map_err(pg_error)
+        })
+        .await
+    }
+
+    /// Runs `f` within the store's timeout.
+    async fn bounded<T>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        match tokio::time::timeout(self.inner.timeout, f).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::store(
+                STORE,
+                format!("no answer within {:?}", self.inner.timeout),
+            )),
+        }
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, Error> {
+        self.inner.pool.get().await.map_err(pg_error)
+    }
+
+    /// Reads the record under `key` (expired or not) with its row's token, and the
+    /// database time.
+    async fn read(
+        &self,
+        client: &deadpool_postgres::Object,
+        key: &Key,
+    ) -> Result<(Option<(Record, [u8; 16])>, Timestamp), Error> {
+        let stmt = client
+            .prepare_cached(&self.inner.sql.read)
+            .await
+            .map_err(pg_error)?;
+        let row = client
+            .query_one(&stmt, &[&key.as_str()])
+            .await
+            .map_err(pg_error)?;
+        let now = Timestamp(row.try_get::<_, i64>(7).map_err(pg_error)?.max(0) as u64);
+        Ok((decode_row(key, &row)?, now))
+    }
+
+    async fn modified(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(sql).await.map_err(pg_error)?;
+        client.execute(&stmt, params).await.map_err(pg_error)
+    }
+}
+
+/// The record in a row of the `read` query and the row's token (finished rows keep
+/// the token of the call that claimed them), or `None` if the key has no row.
+fn decode_row(key: &Key, row: &Row) -> Result<Option<(Record, [u8; 16])>, Error> {
+    let corrupt = |reason: String| Error::CorruptRecord {
+        key: key.to_string(),
+        reason,
+    };
+    let fingerprint: Option<Vec<u8>> = row.try_get(0).map_err(pg_error)?;
+    let Some(fingerprint) = fingerprint else {
+        return Ok(None);
+    };
+    let fingerprint: [u8; 32] = fingerprint
+        .try_into()
+        .map_err(|_| corrupt("fingerprint is not 32 bytes".into()))?;
+    let state: i16 = row.try_get(1).map_err(pg_error)?;
+    let token: Vec<u8> = row.try_get(2).map_err(pg_error)?;
+    let token: [u8; 16] = token
+        .try_into()
+        .map_err(|_| corrupt("token is not 16 bytes".into()))?;
+    let lease: Option<i64> = row.try_get(3).map_err(pg_error)?;
+    let payload: Option<Vec<u8>> = row.try_get(4).map_err(pg_error)?;
+    let created: i64 = row.try_get(5).map_err(pg_error)?;
+    let expires: i64 = row.try_get(6).map_err(pg_error)?;
+    let at = |ms: i64| Timestamp(ms.max(0) as u64);
+    let state = match (state, lease, payload) {
+        (0, Some(lease), _) => State::InProgress {
+            token: Token(u128::from_be_bytes(token)),
+            lease_until: at(lease),
+        },
+        (1, _, Some(result)) => State::Completed { result },
+        (2, _, Some(error)) => State::Failed { error },
+        (state, ..) => return Err(corrupt(format!("state {state} with missing fields"))),
+    };
+    let record = Record {
+        fingerprint: Fingerprint::from_bytes(fingerprint),
+        created_at: at(created),
+        expires_at: at(expires),
+        state,
+    };
+    Ok(Some((record, token)))
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.inner.table)
+            .finish()
+    }
+}
+
+/// How many times a claim re-reads after losing a write race before giving up.
+const CLAIM_ATTEMPTS: usize = 64;
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        self.bounded(async {
+            let client = self.client().await?;
+            for _ in 0..CLAIM_ATTEMPTS {
+                let (current, now) = self.read(&client, key).await?;
+                let (claim, write) = decide_claim(current.as_ref().map(|(r, _)| r), request, now);
+                let Some(new) = write else {
+                    return Ok(claim);
+                };
+                let State::InProgress { token, lease_until } = new.state else {
+                    return Err(pg_error("the claim rule wrote a finished record"));
+                };
+                let fingerprint = new.fingerprint.as_bytes().as_slice();
+                let token = token.0.to_be_bytes();
+                let (lease, created, expires) = (
+                    lease_until.0 as i64,
+                    new.created_at.0 as i64,
+                    new.expires_at.0 as i64,
+                );
+                let written = match &current {
+                    None => {
+                        let stmt = client
+                            .prepare_cached(&self.inner.sql.insert)
+                            .await
+                            .map_err(pg_error)?;
+                        client
+                            .execute(
+                                &stmt,
+                                &[
+                                    &key.as_str(),
+                                    &fingerprint,
+                                    &token.as_slice(),
+                                    &lease,
+                                    &created,
+                                    &expires,
+                                ],
+                            )
+                            .await
+                            .map_err(pg_error)?
+                    }
+                    Some((old, old_token)) => {
+                        let stmt = client
+                            .prepare_cached(&self.inner.sql.replace)
+                            .await
+                            .map_err(pg_error)?;
+                        client
+                            .execute(
+                                &stmt,
+                                &[
+                                    &key.as_str(),
+                                    &fingerprint,
+                                    &token.as_slice(),
+                                    &lease,
+                                    &created,
+                                    &expires,
+                                    &state_code(&old.state),
+                                    &old_token.as_slice(),
+                                ],
+                            )
+                            .await
+                            .map_err(pg_error)?
+                    }
+                };
+                if written == 1 {
+                    return Ok(claim);
+                }
+            }
+            Err(pg_error("claim kept losing write races; giving up"))
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let (state, payload): (i16, &[u8]) = match outcome {
+            Outcome::Completed(b) => (1, b),
+            Outcome::Failed(b) => (2, b),
+        };
+        let token = token.0.to_be_bytes();
+        let n = self
+            .bounded(self.modified(
+                &self.inner.sql.complete,
+                &[
+                    &key.as_str(),
+                    &token.as_slice(),
+                    &state,
+                    &payload,
+                    &millis(ttl),
+                ],
+            ))
+            .await?;
+        Ok(if n == 1 {
+            Fenced::Applied
+        } else {
+            Fenced::LostLease
+        })
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        let token = token.0.to_be_bytes();
+        let n = self
+            .bounded(self.modified(&self.inner.sql.release, &[&key.as_str(), &token.as_slice()]))
+            .await?;
+        Ok(if n == 1 {
+            Fenced::Applied
+        } else {
+            Fenced::LostLease
+        })
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let (record, now) = self.read(&client, key).await?;
+            Ok(record.map(|(r, _)| r).filter(|r| !r.is_expired(now)))
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let stmt = client
+                .prepare_cached(&self.inner.sql.delete)
+                .await
+                .map_err(pg_error)?;
+            let row = client
+                .query_opt(&stmt, &[&key.as_str()])
+                .await
+                .map_err(pg_error)?;
+            match row {
+                Some(row) => row.try_get::<_, bool>(0).map_err(pg_error),
+                None => Ok(false),
+            }
+        })
+        .await
+    }
+
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        self.bounded(self.modified(&self.inner.sql.purge, &[]))
+            .await
+    }
+}

@@ -1,0 +1,518 @@
+//! The Postgres and Redis stores against real servers: the conformance suite, a fleet
+//! of OS processes racing on the same keys, and servers that are wrong, silent or
+//! stopped.
+//!
+//! The servers come from `IDEM_POSTGRES_URL` and `IDEM_REDIS_URL`. Without them the
+//! tests say they skipped and pass nothing off as checked. Every test works in its own
+//! table or key prefix, so parallel runs do not meet.
+
+#![cfg(all(feature = "postgres", feature = "redis"))]
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_core::{
+    execute, testing, Call, Error, Options, PostgresStore, RedisStore, ReleaseErrors, Run, Store,
+    Token,
+};
+
+fn postgres_url() -> Option<String> {
+    let url = std::env::var("IDEM_POSTGRES_URL")
+        .ok()
+        .filter(|u| !u.is_empty());
+    if url.is_none() {
+        eprintln!("SKIPPED: IDEM_POSTGRES_URL is not set; this Postgres test checked nothing");
+    }
+    url
+}
+
+fn redis_url() -> Option<String> {
+    let url = std::env::var("IDEM_REDIS_URL")
+        .ok()
+        .filter(|u| !u.is_empty());
+    if url.is_none() {
+        eprintln!("SKIPPED: IDEM_REDIS_URL is not set; this Redis test checked nothing");
+    }
+    url
+}
+
+/// A name no other test run uses.
+fn unique(prefix: &str) -> String {
+    let t = Token::generate().unwrap().0;
+    format!(
+        "{prefix}_{}_{:012x}",
+        std::process::id(),
+        t & 0xffff_ffff_ffff
+    )
+}
+
+async fn drop_table(url: &str, table: &str) {
+    if let Ok((client, conn)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await {
+        tokio::spawn(conn);
+        let _ = client
+            .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_store_conforms() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_conformance");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .connect()
+        .await
+        .unwrap();
+    // Migrating again, from many workers at once, is harmless.
+    let again: Vec<_> = (0..4).map(|_| store.migrate()).collect();
+    for r in futures_join(again).await {
+        r.unwrap();
+    }
+    testing::run_all(Arc::new(store)).await;
+    drop_table(&url, &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_store_conforms() {
+    let Some(url) = redis_url() else { return };
+    let store = RedisStore::builder(&url)
+        .prefix(format!("{}:", unique("idem-conformance")))
+        .connect()
+        .await
+        .unwrap();
+    testing::run_all(Arc::new(store)).await;
+}
+
+async fn futures_join<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut out = Vec::new();
+    let handles: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    for h in handles {
+        out.push(h.await);
+    }
+    out
+}
+
+// ----- A fleet of processes -------------------------------------------------------
+
+const ROLE: &str = "IDEM_TEST_FLEET_ROLE";
+const NAME: &str = "IDEM_TEST_FLEET_NAME";
+const OUT: &str = "IDEM_TEST_FLEET_OUT";
+const KEYS: usize = 24;
+const TASKS: usize = 12;
+const PROCESSES: usize = 4;
+
+/// One worker process of the fleet tests: `TASKS` tasks, each calling the tool for
+/// every key in its own order. Every real execution leaves a side effect where all
+/// processes can count it; every call's answer goes to the output file.
+#[test]
+#[ignore = "worker process of the fleet tests; started by them"]
+fn fleet_worker() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let name = std::env::var(NAME).unwrap();
+    let out = std::env::var(OUT).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let (store, effect): (Arc<dyn Store>, Arc<dyn Effect>) = match role.as_str() {
+            "postgres" => {
+                let url = std::env::var("IDEM_POSTGRES_URL").unwrap();
+                let store = PostgresStore::builder(&url).table(&name).build().unwrap();
+                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .unwrap();
+                tokio::spawn(conn);
+                (
+                    Arc::new(store),
+                    Arc::new(PgEffects(client, format!("{name}_effects"))),
+                )
+            }
+            "redis" => {
+                let url = std::env::var("IDEM_REDIS_URL").unwrap();
+                let store = RedisStore::builder(&url)
+                    .prefix(format!("{name}:"))
+                    .build()
+                    .unwrap();
+                let client = redis::Client::open(url.as_str()).unwrap();
+                let conn = client.get_multiplexed_async_connection().await.unwrap();
+                (
+                    Arc::new(store),
+                    Arc::new(RedisEffects(conn, format!("{name}:effects:"))),
+                )
+            }
+            other => panic!("unknown role {other}"),
+        };
+        let run = Run::new("fleet-run").with_shared_store(store);
+        let mut tasks = Vec::new();
+        for task in 0..TASKS {
+            let (run, effect) = (run.clone(), effect.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut answers = Vec::new();
+                for i in 0..KEYS {
+                    let key = (i * 7 + task * 5 + std::process::id() as usize) % KEYS;
+                    let effect = effect.clone();
+                    let call = Call::new(Some(&run), "fleet_tool", Options::new(), &key);
+                    let answer =
+                        execute::<Result<String, Error>, ReleaseErrors, _>(call, async move {
+                            effect.record(key).await;
+                            tokio::time::sleep(Duration::from_millis(3)).await;
+                            Ok(format!("pid{}-task{task}-key{key}", std::process::id()))
+                        })
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    answers.push(format!("{key} {answer}"));
+                }
+                answers
+            }));
+        }
+        let mut lines = Vec::new();
+        for t in tasks {
+            lines.extend(t.await.unwrap());
+        }
+        std::fs::write(out, lines.join("\n")).unwrap();
+    });
+}
+
+/// Where a real execution leaves its mark, shared by all processes.
+#[async_trait::async_trait]
+trait Effect: Send + Sync {
+    async fn record(&self, key: usize);
+}
+
+struct PgEffects(tokio_postgres::Client, String);
+#[async_trait::async_trait]
+impl Effect for PgEffects {
+    async fn record(&self, key: usize) {
+        self.0
+            .execute(
+                &format!("INSERT INTO {} (key) VALUES ($1)", self.1),
+                &[&(key as i64)],
+            )
+            .await
+            .unwrap();
+    }
+}
+
+struct RedisEffects(redis::aio::MultiplexedConnection, String);
+#[async_trait::async_trait]
+impl Effect for RedisEffects {
+    async fn record(&self, key: usize) {
+        let mut c = self.0.clone();
+        let _: i64 = redis::cmd("INCR")
+            .arg(format!("{}{key}", self.1))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+}
+
+/// Starts the fleet, waits for it, and returns every answer each key got.
+fn run_fleet(role: &str, name: &str, dir: &Path) -> HashMap<usize, Vec<String>> {
+    let children: Vec<_> = (0..PROCESSES)
+        .map(|i| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--ignored", "--exact", "fleet_worker", "--nocapture"])
+                .env(ROLE, role)
+                .env(NAME, name)
+                .env(OUT, dir.join(format!("answers-{i}")))
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut child in children {
+        assert!(child.wait().unwrap().success(), "a fleet worker failed");
+    }
+    let mut answers: HashMap<usize, Vec<String>> = HashMap::new();
+    for i in 0..PROCESSES {
+        let text = std::fs::read_to_string(dir.join(format!("answers-{i}"))).unwrap();
+        for line in text.lines() {
+            let (key, answer) = line.split_once(' ').unwrap();
+            answers
+                .entry(key.parse().unwrap())
+                .or_default()
+                .push(answer.to_owned());
+        }
+    }
+    answers
+}
+
+fn assert_one_answer_per_key(answers: &HashMap<usize, Vec<String>>) {
+    assert_eq!(answers.len(), KEYS);
+    for (key, seen) in answers {
+        assert_eq!(seen.len(), PROCESSES * TASKS, "key {key}");
+        assert!(
+            seen.iter().all(|a| a == &seen[0]),
+            "key {key}: callers got different answers: {seen:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_fleet_of_processes_executes_each_key_once() {
+    let Some(url) = postgres_url() else { return };
+    let name = unique("idem_fleet");
+    PostgresStore::builder(&url)
+        .table(&name)
+        .connect()
+        .await
+        .unwrap();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!("CREATE TABLE {name}_effects (key int8 NOT NULL)"))
+        .await
+        .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let answers = tokio::task::spawn_blocking({
+        let (name, dir) = (name.clone(), dir.path().to_owned());
+        move || run_fleet("postgres", &name, &dir)
+    })
+    .await
+    .unwrap();
+
+    let rows = client
+        .query(
+            &format!("SELECT key, count(*) FROM {name}_effects GROUP BY key"),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), KEYS, "every key ran");
+    for row in rows {
+        let (key, n): (i64, i64) = (row.get(0), row.get(1));
+        assert_eq!(n, 1, "key {key} ran {n} times across the fleet");
+    }
+    assert_one_answer_per_key(&answers);
+    drop_table(&url, &format!("{name}_effects")).await;
+    drop_table(&url, &name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_fleet_of_processes_executes_each_key_once() {
+    let Some(url) = redis_url() else { return };
+    let name = unique("idem-fleet");
+    let dir = tempfile::tempdir().unwrap();
+    let answers = tokio::task::spawn_blocking({
+        let (name, dir) = (name.clone(), dir.path().to_owned());
+        move || run_fleet("redis", &name, &dir)
+    })
+    .await
+    .unwrap();
+
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    for key in 0..KEYS {
+        let n: Option<i64> = redis::cmd("GET")
+            .arg(format!("{name}:effects:{key}"))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert_eq!(n, Some(1), "key {key} ran {n:?} times across the fleet");
+    }
+    assert_one_answer_per_key(&answers);
+}
+
+// ----- Servers that are wrong, silent, or stopped ---------------------------------
+
+/// A port where a TCP server accepts connections and never says a word.
+fn silent_server() -> (std::thread::JoinHandle<()>, u16) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let handle = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        // Accept a handful of connections and hold them open, silent.
+        for stream in listener.incoming().take(8) {
+            held.push(stream);
+        }
+        std::thread::sleep(Duration::from_secs(10));
+    });
+    (handle, port)
+}
+
+/// A port nothing listens on.
+fn closed_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// Calls a tool on `store`: the store must fail closed, within `bound`, and the
+/// operation must not run.
+async fn assert_fails_closed(store: impl Store, bound: Duration) {
+    let ran = Arc::new(AtomicUsize::new(0));
+    let run = Run::new("unreachable").with_store(store);
+    let started = Instant::now();
+    let r = ran.clone();
+    let err = execute::<Result<(), Error>, ReleaseErrors, _>(
+        Call::new(Some(&run), "send_email", Options::new(), &1),
+        async move {
+            r.fetch_add(1, SeqCst);
+            Ok(())
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::Store { .. }), "{err}");
+    assert!(started.elapsed() < bound, "took {:?}", started.elapsed());
+    assert_eq!(ran.load(SeqCst), 0, "the operation ran without the guard");
+}
+
+#[tokio::test]
+async fn unreachable_postgres_fails_closed_within_the_timeout() {
+    let timeout = Duration::from_millis(500);
+    let bound = Duration::from_secs(3);
+    let wrong = format!("postgres://root@127.0.0.1:{}/test", closed_port());
+    let started = Instant::now();
+    let err = PostgresStore::builder(&wrong)
+        .timeout(timeout)
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Store {
+                store: "postgres",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(started.elapsed() < bound);
+    assert_fails_closed(
+        PostgresStore::builder(&wrong)
+            .timeout(timeout)
+            .build()
+            .unwrap(),
+        bound,
+    )
+    .await;
+
+    let (_server, port) = silent_server();
+    let silent = format!("postgres://root@127.0.0.1:{port}/test");
+    assert_fails_closed(
+        PostgresStore::builder(&silent)
+            .timeout(timeout)
+            .build()
+            .unwrap(),
+        bound,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn unreachable_redis_fails_closed_within_the_timeout() {
+    let timeout = Duration::from_millis(500);
+    let bound = Duration::from_secs(3);
+    let wrong = format!("redis://127.0.0.1:{}", closed_port());
+    let started = Instant::now();
+    let err = RedisStore::builder(&wrong)
+        .timeout(timeout)
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store { store: "redis", .. }), "{err}");
+    assert!(started.elapsed() < bound);
+    assert_fails_closed(
+        RedisStore::builder(&wrong)
+            .timeout(timeout)
+            .build()
+            .unwrap(),
+        bound,
+    )
+    .await;
+
+    let (_server, port) = silent_server();
+    let silent = format!("redis://127.0.0.1:{port}");
+    assert_fails_closed(
+        RedisStore::builder(&silent)
+            .timeout(timeout)
+            .build()
+            .unwrap(),
+        bound,
+    )
+    .await;
+}
+
+/// A Redis server of this test's own, which it stops and starts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_fails_closed_while_the_server_is_down_and_recovers_after() {
+    if Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED: no redis-server binary to start and stop; this test checked nothing");
+        return;
+    }
+    let port = closed_port();
+    let start = || {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        child
+    };
+    let mut server = start();
+    let store = RedisStore::builder(&format!("redis://127.0.0.1:{port}"))
+        .timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .unwrap();
+    let run = Run::new("restart").with_store(store.clone());
+    let call = |n: u32| {
+        execute::<Result<u32, Error>, ReleaseErrors, _>(
+            Call::new(Some(&run), "tool", Options::new(), &n),
+            async move { Ok(n) },
+        )
+    };
+    assert_eq!(call(1).await.unwrap().unwrap(), 1);
+
+    server.kill().unwrap();
+    server.wait().unwrap();
+    assert_fails_closed(store.clone(), Duration::from_secs(3)).await;
+
+    let mut server = start();
+    // The connection manager reconnects; give it a few tries.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match call(2).await {
+            Ok(v) => {
+                assert_eq!(v.unwrap(), 2);
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "never reconnected: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
