@@ -28,7 +28,7 @@
 //!
 //! - **claim** reads the row and the database time in one `SELECT`; a completed row
 //!   (the hit path) needs nothing more. Otherwise the claim rule
-//!   ([`decide_claim`](crate::store::decide_claim)) picks the row to write, and the write
+//!   ([`decide_claim`]) picks the row to write, and the write
 //!   is conditional on the row being unchanged: `INSERT .. ON CONFLICT (key) DO
 //!   NOTHING` for an absent key, `UPDATE .. WHERE key = $1 AND state = $s AND token =
 //!   $t` to replace an expired, abandoned or failed one. Of any number of concurrent
