@@ -26,13 +26,24 @@
 //! Every time comes from the **database clock** (`now()`), so workers with skewed
 //! clocks agree on leases and expiry.
 //!
-//! - **claim** reads the row and the database time in one `SELECT`; a completed row
-//!   (the hit path) needs nothing more. Otherwise the claim rule
-//!   ([`decide_claim`]) picks the row to write, and the write
-//!   is conditional on the row being unchanged: `INSERT .. ON CONFLICT (key) DO
-//!   NOTHING` for an absent key, `UPDATE .. WHERE key = $1 AND state = $s AND token =
-//!   $t` to replace an expired, abandoned or failed one. Of any number of concurrent
-//!   claimers exactly one write succeeds; the others read again and find it.
+//! - **claim** first reads the row and the database time in one `SELECT`; a completed
+//!   row (the hit path), a live claim or another fingerprint needs nothing more. When
+//!   the key is claimable, one atomic statement claims it, deciding again under the
+//!   row lock:
+//!
+//!   ```sql
+//!   INSERT INTO idem_records AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at)
+//!   VALUES ($1, $2, 0, $3, now() + $4 ms, NULL, now(), now() + $5 ms)
+//!   ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 0, ...
+//!   WHERE r.expires_at <= now()                                  -- expired: absent
+//!      OR (r.fingerprint = EXCLUDED.fingerprint AND (
+//!             (r.state = 0 AND r.lease_until <= now() AND $6)   -- abandoned, take over
+//!          OR (r.state = 2 AND $7)))                            -- failed, retry
+//!   RETURNING 1
+//!   ```
+//!
+//!   No row back means another caller won in between: the claim reads again and
+//!   reports what it finds.
 //! - **complete**: `UPDATE .. SET state = 1, payload = $p, expires_at = now() + ttl
 //!   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`.
 //! - **release**: `DELETE .. WHERE key = $1 AND state = 0 AND token = $2 AND
@@ -179,8 +190,7 @@ fn quote_table(name: &str) -> Result<String, Error> {
 /// The statements, with the table name filled in.
 struct Sql {
     read: String,
-    insert: String,
-    replace: String,
+    claim: String,
     complete: String,
     release: String,
     delete: String,
@@ -190,11 +200,6 @@ struct Sql {
 /// Milliseconds since the Unix epoch of a `timestamptz` expression.
 fn ms(expr: &str) -> String {
     format!("(extract(epoch from {expr}) * 1000)::int8")
-}
-
-/// A `timestamptz` from a parameter holding milliseconds since the Unix epoch.
-fn ts(param: &str) -> String {
-    format!("('epoch'::timestamptz + {param}::int8 * interval '1 millisecond')")
 }
 
 impl Sql {
@@ -208,19 +213,18 @@ impl Sql {
                 expires = ms("r.expires_at"),
                 now = ms("now()"),
             ),
-            insert: format!(
-                "INSERT INTO {t} (key, fingerprint, state, token, lease_until, payload, created_at, expires_at) \
-                 VALUES ($1, $2, 0, $3, {}, NULL, {}, {}) ON CONFLICT (key) DO NOTHING",
-                ts("$4"),
-                ts("$5"),
-                ts("$6"),
-            ),
-            replace: format!(
-                "UPDATE {t} SET fingerprint = $2, state = 0, token = $3, lease_until = {}, payload = NULL, \
-                 created_at = {}, expires_at = {} WHERE key = $1 AND state = $7 AND token = $8",
-                ts("$4"),
-                ts("$5"),
-                ts("$6"),
+            claim: format!(
+                "INSERT INTO {t} AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at) \
+                 VALUES ($1, $2, 0, $3, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
+                         now() + $5::int8 * interval '1 millisecond') \
+                 ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 0, \
+                     token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, payload = NULL, \
+                     created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at \
+                 WHERE r.expires_at <= now() \
+                    OR (r.fingerprint = EXCLUDED.fingerprint AND ( \
+                           (r.state = 0 AND r.lease_until <= now() AND $6) \
+                        OR (r.state = 2 AND $7))) \
+                 RETURNING 1"
             ),
             complete: format!(
                 "UPDATE {t} SET state = $3, payload = $4, lease_until = NULL, created_at = now(), \
@@ -242,14 +246,6 @@ fn pg_error(e: impl std::fmt::Display) -> Error {
 
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn state_code(state: &State) -> i16 {
-    match state {
-        State::InProgress { .. } => 0,
-        State::Completed { .. } => 1,
-        State::Failed { .. } => 2,
-    }
 }
 
 impl PostgresStore {
@@ -324,13 +320,12 @@ impl PostgresStore {
         self.inner.pool.get().await.map_err(pg_error)
     }
 
-    /// Reads the record under `key` (expired or not) with its row's token, and the
-    /// database time.
+    /// Reads the record under `key` (expired or not) and the database time.
     async fn read(
         &self,
         client: &deadpool_postgres::Object,
         key: &Key,
-    ) -> Result<(Option<(Record, [u8; 16])>, Timestamp), Error> {
+    ) -> Result<(Option<Record>, Timestamp), Error> {
         let stmt = client
             .prepare_cached(&self.inner.sql.read)
             .await
@@ -354,9 +349,8 @@ impl PostgresStore {
     }
 }
 
-/// The record in a row of the `read` query and the row's token (finished rows keep
-/// the token of the call that claimed them), or `None` if the key has no row.
-fn decode_row(key: &Key, row: &Row) -> Result<Option<(Record, [u8; 16])>, Error> {
+/// The record in a row of the `read` query, or `None` if the key has no row.
+fn decode_row(key: &Key, row: &Row) -> Result<Option<Record>, Error> {
     let corrupt = |reason: String| Error::CorruptRecord {
         key: key.to_string(),
         reason,
@@ -387,13 +381,12 @@ fn decode_row(key: &Key, row: &Row) -> Result<Option<(Record, [u8; 16])>, Error>
         (2, _, Some(error)) => State::Failed { error },
         (state, ..) => return Err(corrupt(format!("state {state} with missing fields"))),
     };
-    let record = Record {
+    Ok(Some(Record {
         fingerprint: Fingerprint::from_bytes(fingerprint),
         created_at: at(created),
         expires_at: at(expires),
         state,
-    };
-    Ok(Some((record, token)))
+    }))
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -404,7 +397,8 @@ impl std::fmt::Debug for PostgresStore {
     }
 }
 
-/// How many times a claim re-reads after losing a write race before giving up.
+/// How many times a claim reads again after losing a race before giving up (each lost
+/// race means another caller made progress on the key).
 const CLAIM_ATTEMPTS: usize = 64;
 
 #[async_trait]
@@ -414,65 +408,31 @@ impl Store for PostgresStore {
             let client = self.client().await?;
             for _ in 0..CLAIM_ATTEMPTS {
                 let (current, now) = self.read(&client, key).await?;
-                let (claim, write) = decide_claim(current.as_ref().map(|(r, _)| r), request, now);
-                let Some(new) = write else {
+                let (claim, write) = decide_claim(current.as_ref(), request, now);
+                if write.is_none() {
                     return Ok(claim);
-                };
-                let State::InProgress { token, lease_until } = new.state else {
-                    return Err(pg_error("the claim rule wrote a finished record"));
-                };
-                let fingerprint = new.fingerprint.as_bytes().as_slice();
-                let token = token.0.to_be_bytes();
-                let (lease, created, expires) = (
-                    lease_until.0 as i64,
-                    new.created_at.0 as i64,
-                    new.expires_at.0 as i64,
-                );
-                let written = match &current {
-                    None => {
-                        let stmt = client
-                            .prepare_cached(&self.inner.sql.insert)
-                            .await
-                            .map_err(pg_error)?;
-                        client
-                            .execute(
-                                &stmt,
-                                &[
-                                    &key.as_str(),
-                                    &fingerprint,
-                                    &token.as_slice(),
-                                    &lease,
-                                    &created,
-                                    &expires,
-                                ],
-                            )
-                            .await
-                            .map_err(pg_error)?
-                    }
-                    Some((old, old_token)) => {
-                        let stmt = client
-                            .prepare_cached(&self.inner.sql.replace)
-                            .await
-                            .map_err(pg_error)?;
-                        client
-                            .execute(
-                                &stmt,
-                                &[
-                                    &key.as_str(),
-                                    &fingerprint,
-                                    &token.as_slice(),
-                                    &lease,
-                                    &created,
-                                    &expires,
-                                    &state_code(&old.state),
-                                    &old_token.as_slice(),
-                                ],
-                            )
-                            .await
-                            .map_err(pg_error)?
-                    }
-                };
-                if written == 1 {
+                }
+                let stmt = client
+                    .prepare_cached(&self.inner.sql.claim)
+                    .await
+                    .map_err(pg_error)?;
+                let token = request.token.0.to_be_bytes();
+                let claimed = client
+                    .query_opt(
+                        &stmt,
+                        &[
+                            &key.as_str(),
+                            &request.fingerprint.as_bytes().as_slice(),
+                            &token.as_slice(),
+                            &millis(request.lease),
+                            &millis(request.ttl),
+                            &request.take_over_expired,
+                            &request.retry_failed,
+                        ],
+                    )
+                    .await
+                    .map_err(pg_error)?;
+                if claimed.is_some() {
                     return Ok(claim);
                 }
             }
@@ -528,7 +488,7 @@ impl Store for PostgresStore {
         self.bounded(async {
             let client = self.client().await?;
             let (record, now) = self.read(&client, key).await?;
-            Ok(record.map(|(r, _)| r).filter(|r| !r.is_expired(now)))
+            Ok(record.filter(|r| !r.is_expired(now)))
         })
         .await
     }
