@@ -233,7 +233,11 @@ where
 
 /// Runs a blocking operation at most once per key: [`execute`] for sync tools.
 ///
-/// Store calls block the current thread.
+/// Store calls block the current thread. The memory and sled stores work anywhere.
+/// The Postgres and Redis stores run on tokio: call sync tools that use them from a
+/// thread of a multi-threaded tokio runtime (for example inside
+/// `tokio::task::spawn_blocking`); elsewhere their operations return
+/// [`Error::Store`] instead of blocking forever.
 pub fn execute_blocking<R, C, F>(call: Result<Call, Error>, operation: F) -> Result<R, Error>
 where
     R: ToolOutput,
@@ -241,6 +245,7 @@ where
     F: FnOnce() -> R,
 {
     let call = call?;
+    let _blocking = BlockingGuard::enter();
     pollster::block_on(async {
         let owner = match acquire::<R, C, BlockingPause>(&call).await? {
             Acquired::Replay(output) => return Ok(output),
@@ -249,6 +254,43 @@ where
         let output = CURRENT_KEY.sync_scope(call.key.clone(), operation);
         finish::<R, C>(&call, owner, output).await
     })
+}
+
+thread_local! {
+    static BLOCKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the thread as inside [`execute_blocking`] while it lives.
+struct BlockingGuard(bool);
+
+impl BlockingGuard {
+    fn enter() -> Self {
+        BlockingGuard(BLOCKING.with(|b| b.replace(true)))
+    }
+}
+
+impl Drop for BlockingGuard {
+    fn drop(&mut self) {
+        let previous = self.0;
+        BLOCKING.with(|b| b.set(previous));
+    }
+}
+
+/// For stores that run on tokio: an error if the current thread is blocked in a sync
+/// tool where tokio cannot make progress (no runtime, or a current-thread runtime whose
+/// only thread is the blocked one). Waiting there would never end.
+pub fn check_tokio_reachable(store: &'static str) -> Result<(), Error> {
+    if !BLOCKING.with(|b| b.get()) {
+        return Ok(());
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => Ok(()),
+        _ => Err(Error::store(
+            store,
+            "a sync tool on this store must run on a thread of a multi-threaded tokio runtime \
+             (e.g. inside tokio::task::spawn_blocking): here the store could never answer",
+        )),
+    }
 }
 
 struct Owner {

@@ -516,3 +516,75 @@ async fn redis_store_fails_closed_while_the_server_is_down_and_recovers_after() 
     server.kill().unwrap();
     server.wait().unwrap();
 }
+
+// ----- Sync tools on the network stores -----------------------------------------
+
+fn sync_call(run: &Run, n: u32) -> Result<Result<u32, Error>, Error> {
+    idem_core::execute_blocking::<Result<u32, Error>, ReleaseErrors, _>(
+        Call::new(Some(run), "sync_tool", Options::new(), &n),
+        || Ok(n * 2),
+    )
+}
+
+#[test]
+fn sync_tools_on_network_stores_fail_closed_outside_a_multithreaded_runtime() {
+    let Some(url) = redis_url() else { return };
+    // No runtime at all: a typed error, no panic, no hang.
+    let store = RedisStore::builder(&url)
+        .prefix(format!("{}:", unique("idem-sync")))
+        .build();
+    match store {
+        Ok(store) => {
+            let run = Run::new("sync").with_store(store);
+            let err = sync_call(&run, 1).unwrap_err();
+            assert!(matches!(err, Error::Store { store: "redis", .. }), "{err}");
+        }
+        Err(e) => assert!(matches!(e, Error::Store { .. }), "{e}"),
+    }
+    // A current-thread runtime, blocked by the sync tool: also an error, not a hang.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = RedisStore::builder(&url)
+            .prefix(format!("{}:", unique("idem-sync")))
+            .build()
+            .unwrap();
+        let run = Run::new("sync").with_store(store);
+        let err = sync_call(&run, 1).unwrap_err();
+        assert!(matches!(err, Error::Store { store: "redis", .. }), "{err}");
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_tools_on_network_stores_run_once_from_spawn_blocking() {
+    let (Some(pg), Some(redis)) = (postgres_url(), redis_url()) else {
+        return;
+    };
+    let table = unique("idem_sync");
+    let stores: Vec<Arc<dyn Store>> = vec![
+        Arc::new(
+            PostgresStore::builder(&pg)
+                .table(&table)
+                .connect()
+                .await
+                .unwrap(),
+        ),
+        Arc::new(
+            RedisStore::builder(&redis)
+                .prefix(format!("{}:", unique("idem-sync")))
+                .connect()
+                .await
+                .unwrap(),
+        ),
+    ];
+    for store in stores {
+        let run = Run::new("sync").with_shared_store(store);
+        let got = tokio::task::spawn_blocking(move || (sync_call(&run, 21), sync_call(&run, 21)))
+            .await
+            .unwrap();
+        assert_eq!((got.0.unwrap().unwrap(), got.1.unwrap().unwrap()), (42, 42));
+    }
+    drop_table(&pg, &table).await;
+}

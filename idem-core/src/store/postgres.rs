@@ -307,6 +307,7 @@ impl PostgresStore {
         &self,
         f: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
+        crate::protocol::check_tokio_reachable(STORE)?;
         match tokio::time::timeout(self.inner.timeout, f).await {
             Ok(result) => result,
             Err(_) => Err(Error::store(

@@ -154,8 +154,15 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Builds the store without connecting: the connection opens on first use.
+    /// Builds the store without connecting: the connection opens on first use. Must be
+    /// called inside a tokio runtime (the connection manager lives on it); elsewhere it
+    /// is an [`Error::Store`].
     pub fn build(self) -> Result<RedisStore, Error> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(redis_error(
+                "a RedisStore must be built inside a tokio runtime, which drives its connection",
+            ));
+        }
         let client = redis::Client::open(self.url.as_str()).map_err(redis_error)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
@@ -224,6 +231,7 @@ impl RedisStore {
         &self,
         f: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
+        crate::protocol::check_tokio_reachable(STORE)?;
         match tokio::time::timeout(self.inner.timeout, f).await {
             Ok(result) => result,
             Err(_) => Err(Error::store(
