@@ -24,15 +24,14 @@
 //! outside `[A-Za-z0-9_-]` replaced by `_`, cut at 64) is only there to make keys
 //! readable in a store; the digest alone carries identity.
 
+use std::cell::RefCell;
 use std::fmt;
-use std::io::{self, Write};
 use std::sync::Arc;
 
 use serde::Serialize;
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::Error;
+use crate::{canonical, Error};
 
 /// The SHA-256 digest of an input's canonical serialization.
 ///
@@ -41,21 +40,39 @@ use crate::Error;
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
+thread_local! {
+    /// The buffer canonical input is written into before hashing, reused by every call
+    /// on the thread.
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A scratch buffer larger than this is given back after use rather than kept.
+const SCRATCH_KEEP: usize = 256 * 1024;
+
 impl Fingerprint {
     /// Fingerprints a value: SHA-256 over its canonical JSON (see the module docs).
     ///
     /// `tool` only names the tool in the error if the value cannot be serialized.
     pub fn of<T: Serialize + ?Sized>(tool: &str, value: &T) -> Result<Self, Error> {
-        let value = serde_json::to_value(value).map_err(|source| Error::Input {
-            tool: tool.to_owned(),
-            source,
-        })?;
-        let mut hasher = HashWriter(Sha256::new());
-        write_canonical(&mut hasher, &value).map_err(|e| Error::Input {
-            tool: tool.to_owned(),
-            source: serde_json::Error::io(e),
-        })?;
-        Ok(Fingerprint(hasher.0.finalize().into()))
+        let hash = |buf: &mut Vec<u8>| {
+            buf.clear();
+            let written = canonical::write(buf, value);
+            let digest = written.map(|()| Fingerprint(Sha256::digest(&buf[..]).into()));
+            if buf.capacity() > SCRATCH_KEEP {
+                *buf = Vec::new();
+            }
+            digest
+        };
+        SCRATCH
+            .with(|cell| match cell.try_borrow_mut() {
+                Ok(mut buf) => hash(&mut buf),
+                // A `Serialize` impl that fingerprints something itself: use a fresh buffer.
+                Err(_) => hash(&mut Vec::new()),
+            })
+            .map_err(|source| Error::Input {
+                tool: tool.to_owned(),
+                source,
+            })
     }
 
     /// Wraps raw digest bytes (as read back from a store).
@@ -79,77 +96,11 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
-/// Writes `value` in canonical JSON. Exposed for tests and for stores that want to
-/// show users what was hashed.
+/// `value` in canonical JSON: the exact bytes that are hashed into its fingerprint.
 pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
-    let value = serde_json::to_value(value)?;
     let mut out = Vec::new();
-    write_canonical(&mut out, &value).map_err(serde_json::Error::io)?;
+    canonical::write(&mut out, value)?;
     Ok(out)
-}
-
-struct HashWriter(Sha256);
-
-impl Write for HashWriter {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Largest integer a double represents exactly; integral floats below it are written
-/// as integers so `1.0` and `1` are one number.
-const EXACT_INT: f64 = 9_007_199_254_740_992.0;
-
-fn write_canonical<W: Write>(w: &mut W, value: &Value) -> io::Result<()> {
-    match value {
-        Value::Null => w.write_all(b"null"),
-        Value::Bool(true) => w.write_all(b"true"),
-        Value::Bool(false) => w.write_all(b"false"),
-        Value::Number(n) => {
-            if let Some(u) = n.as_u64() {
-                write!(w, "{u}")
-            } else if let Some(i) = n.as_i64() {
-                write!(w, "{i}")
-            } else {
-                let f = n.as_f64().unwrap_or(0.0);
-                if f.fract() == 0.0 && f.abs() < EXACT_INT {
-                    // Integral and exact: one form with the integers (`-0.0` is `0`).
-                    write!(w, "{}", f as i64)
-                } else {
-                    serde_json::to_writer(&mut *w, &f).map_err(io::Error::other)
-                }
-            }
-        }
-        Value::String(s) => serde_json::to_writer(&mut *w, s).map_err(io::Error::other),
-        Value::Array(items) => {
-            w.write_all(b"[")?;
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    w.write_all(b",")?;
-                }
-                write_canonical(w, item)?;
-            }
-            w.write_all(b"]")
-        }
-        Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            w.write_all(b"{")?;
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    w.write_all(b",")?;
-                }
-                serde_json::to_writer(&mut *w, k).map_err(io::Error::other)?;
-                w.write_all(b":")?;
-                write_canonical(w, v)?;
-            }
-            w.write_all(b"}")
-        }
-    }
 }
 
 /// The parts a key is derived from.
@@ -256,7 +207,143 @@ impl AsRef<str> for Key {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use serde_json::Value;
     use std::collections::{BTreeMap, HashMap};
+    use std::io::{self, Write};
+
+    /// The reference: canonical JSON by way of a `serde_json::Value` tree. The
+    /// streaming writer must produce the same bytes.
+    fn reference<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+        let value = serde_json::to_value(value)?;
+        let mut out = Vec::new();
+        write_value(&mut out, &value).map_err(serde_json::Error::io)?;
+        Ok(out)
+    }
+
+    fn write_value<W: Write>(w: &mut W, value: &Value) -> io::Result<()> {
+        match value {
+            Value::Null => w.write_all(b"null"),
+            Value::Bool(b) => w.write_all(if *b { b"true" } else { b"false" }),
+            Value::Number(n) => {
+                if let Some(u) = n.as_u64() {
+                    write!(w, "{u}")
+                } else if let Some(i) = n.as_i64() {
+                    write!(w, "{i}")
+                } else {
+                    let f = n.as_f64().unwrap();
+                    if f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0 {
+                        write!(w, "{}", f as i64)
+                    } else {
+                        serde_json::to_writer(&mut *w, &f).map_err(io::Error::other)
+                    }
+                }
+            }
+            Value::String(s) => serde_json::to_writer(&mut *w, s).map_err(io::Error::other),
+            Value::Array(items) => {
+                w.write_all(b"[")?;
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        w.write_all(b",")?;
+                    }
+                    write_value(w, item)?;
+                }
+                w.write_all(b"]")
+            }
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                w.write_all(b"{")?;
+                for (i, (k, v)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        w.write_all(b",")?;
+                    }
+                    serde_json::to_writer(&mut *w, k).map_err(io::Error::other)?;
+                    w.write_all(b":")?;
+                    write_value(w, v)?;
+                }
+                w.write_all(b"}")
+            }
+        }
+    }
+
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            "\\PC{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 64, 8, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::vec(("\\PC{0,6}", inner), 0..6)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    #[derive(Serialize)]
+    enum Shape {
+        Unit,
+        Newtype(u8),
+        Tuple(i32, String),
+        Struct { z: f32, a: Option<bool> },
+    }
+
+    #[derive(Serialize)]
+    struct Everything {
+        zeta: Vec<Shape>,
+        alpha: HashMap<u32, char>,
+        bytes: serde_bytes_like::Bytes,
+        unit: (),
+        tuple: (u8, i128, u128),
+        float: f64,
+        nested: BTreeMap<String, BTreeMap<String, Vec<Option<i16>>>>,
+    }
+
+    mod serde_bytes_like {
+        pub struct Bytes(pub Vec<u8>);
+        impl serde::Serialize for Bytes {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(&self.0)
+            }
+        }
+    }
+
+    #[test]
+    fn streaming_writer_matches_the_reference_on_every_serde_shape() {
+        let v = Everything {
+            zeta: vec![
+                Shape::Unit,
+                Shape::Newtype(7),
+                Shape::Tuple(-1, "é\"\n".into()),
+                Shape::Struct { z: 0.1, a: None },
+            ],
+            alpha: (0..12)
+                .map(|i| (i * 7, char::from(b'a' + i as u8)))
+                .collect(),
+            bytes: serde_bytes_like::Bytes(vec![0, 1, 255]),
+            unit: (),
+            tuple: (1, -5, 9),
+            float: 2.5e-8,
+            nested: [(
+                "b".to_string(),
+                [("y".to_string(), vec![Some(1), None])].into(),
+            )]
+            .into(),
+        };
+        assert_eq!(canonical_json(&v).unwrap(), reference(&v).unwrap());
+    }
+
+    proptest! {
+        #[test]
+        fn streaming_writer_matches_the_reference(v in json()) {
+            prop_assert_eq!(canonical_json(&v).unwrap(), reference(&v).unwrap());
+        }
+    }
 
     fn canon<T: Serialize>(v: &T) -> String {
         String::from_utf8(canonical_json(v).unwrap()).unwrap()

@@ -19,6 +19,8 @@
 //! [`Error::UnsupportedFormat`]. Both name the key. Decoding never panics.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::{Error, Fingerprint};
@@ -54,24 +56,36 @@ impl Timestamp {
 
 /// Identifies one claim of a key: the fencing token.
 ///
-/// A fresh random token is drawn for every call. Completing or releasing a key requires
+/// Every call gets a token no other call gets. Completing or releasing a key requires
 /// the token of its current in-progress record, so an owner whose lease was taken over
 /// cannot overwrite the new owner's result.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Token(pub u128);
 
 impl Token {
-    /// Draws a random token from the operating system.
+    /// A token unique to this call: 64 random bits drawn once per process (mixed with
+    /// the process id, so a forked child differs), then a counter.
     pub fn generate() -> Result<Self, Error> {
-        let mut bytes = [0u8; 16];
-        getrandom::fill(&mut bytes).map_err(|e| Error::store("token", e.to_string()))?;
-        Ok(Token(u128::from_be_bytes(bytes)))
+        static SEED: OnceLock<Result<u64, String>> = OnceLock::new();
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let seed = SEED.get_or_init(|| {
+            let mut bytes = [0u8; 8];
+            getrandom::fill(&mut bytes)
+                .map(|()| u64::from_be_bytes(bytes))
+                .map_err(|e| e.to_string())
+        });
+        let seed = match seed {
+            Ok(seed) => *seed ^ u64::from(std::process::id()).rotate_left(32),
+            Err(e) => return Err(Error::store("os-random", e.clone())),
+        };
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        Ok(Token(u128::from(seed) << 64 | u128::from(n)))
     }
 }
 
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Token({:08x}…)", (self.0 >> 96) as u32)
+        write!(f, "Token({:032x})", self.0)
     }
 }
 

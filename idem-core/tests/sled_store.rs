@@ -155,3 +155,50 @@ async fn the_sweeper_purges_expired_records() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Many concurrent durable misses on distinct keys: they share flushes, and finish.
+/// (sled's own `flush_async` deadlocks its thread pool under this load, so the work
+/// runs on a thread of its own and the test gives up on it after a minute.)
+#[test]
+fn many_concurrent_misses_share_flushes_and_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    let worker_store = store.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let run = Run::new("many").with_store(worker_store);
+            let tasks: Vec<_> = (0..64u32)
+                .map(|t| {
+                    let run = run.clone();
+                    tokio::spawn(async move {
+                        for i in 0..8u32 {
+                            let n = t * 100 + i;
+                            let v = execute::<Result<u32, Error>, ReleaseErrors, _>(
+                                Call::new(Some(&run), "tool", Options::new(), &n),
+                                async move { Ok(n) },
+                            )
+                            .await
+                            .unwrap()
+                            .unwrap();
+                            assert_eq!(v, n);
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+        let _ = done.send(());
+    });
+    finished
+        .recv_timeout(Duration::from_secs(60))
+        .expect("concurrent misses on sled did not finish within a minute: flush deadlock");
+    assert_eq!(store.len(), 64 * 8);
+}

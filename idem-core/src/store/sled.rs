@@ -37,6 +37,7 @@ pub struct SledStore {
 struct Inner {
     path: PathBuf,
     tree: ::sled::Tree,
+    commit: GroupCommit,
     // Keeps the database (and its file lock) open as long as any clone lives.
     _db: ::sled::Db,
 }
@@ -86,6 +87,7 @@ impl SledStore {
         let inner = Arc::new(Inner {
             path: path.clone(),
             tree,
+            commit: GroupCommit::default(),
             _db: db,
         });
         open.insert(path, Arc::downgrade(&inner));
@@ -107,9 +109,10 @@ impl SledStore {
         self.inner.tree.is_empty()
     }
 
+    /// Makes every write this caller made so far durable. Concurrent callers share
+    /// flushes (group commit): see [`GroupCommit`].
     async fn flush(&self) -> Result<(), Error> {
-        self.inner.tree.flush_async().await.map_err(sled_error)?;
-        Ok(())
+        self.inner.commit.flush(&self.inner.tree).await
     }
 
     fn read(&self, key: &Key) -> Result<Option<(::sled::IVec, Record)>, Error> {
@@ -167,6 +170,88 @@ impl SledStore {
         }
         Ok(fenced)
     }
+}
+
+/// Group commit: one flush at a time, shared by every caller that wrote before it
+/// started.
+///
+/// A caller takes a ticket after its write. If a flush that started after the ticket
+/// has finished, its write is durable; otherwise it waits for the running flush and
+/// then starts the next one itself, for everyone who came in meanwhile. So 64
+/// concurrent completions cost a few flushes, not 64.
+///
+/// The flush runs on a tokio blocking thread (or inline, in a sync tool), never on
+/// sled's own thread pool: sled 0.34's `flush_async` blocks pool threads waiting for
+/// writes that need those same threads, and many concurrent calls deadlock it.
+#[derive(Default)]
+struct GroupCommit {
+    state: Mutex<CommitState>,
+    done: event_listener::Event,
+}
+
+#[derive(Default)]
+struct CommitState {
+    /// Tickets handed out so far.
+    issued: u64,
+    /// Every ticket up to this one is durable.
+    durable: u64,
+    /// Whether a flush is running.
+    running: bool,
+}
+
+impl GroupCommit {
+    async fn flush(&self, tree: &::sled::Tree) -> Result<(), Error> {
+        let ticket = {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.issued += 1;
+            state.issued
+        };
+        loop {
+            let listener = self.done.listen();
+            let target = {
+                let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if state.durable >= ticket {
+                    return Ok(());
+                }
+                if state.running {
+                    None
+                } else {
+                    state.running = true;
+                    Some(state.issued)
+                }
+            };
+            let Some(target) = target else {
+                listener.await;
+                continue;
+            };
+            let result = flush_blocking(tree).await;
+            {
+                let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                state.running = false;
+                if result.is_ok() {
+                    state.durable = state.durable.max(target);
+                }
+            }
+            self.done.notify(usize::MAX);
+            result?;
+        }
+    }
+}
+
+/// `tree.flush()` off the async threads when there are any.
+async fn flush_blocking(tree: &::sled::Tree) -> Result<(), Error> {
+    let flushed = match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            let tree = tree.clone();
+            handle
+                .spawn_blocking(move || tree.flush())
+                .await
+                .map_err(|e| Error::store("sled", format!("flush task failed: {e}")))?
+        }
+        // A sync tool outside any runtime: this thread may block.
+        Err(_) => tree.flush(),
+    };
+    flushed.map(|_| ()).map_err(sled_error)
 }
 
 impl std::fmt::Debug for SledStore {

@@ -1,0 +1,538 @@
+//! The canonical JSON writer: one serde `Serializer` that writes an input straight into
+//! a byte buffer in the form [`key`](crate::key) documents, with no intermediate value
+//! tree.
+//!
+//! Maps and structs are the only places that buffer: their entries are written in
+//! place, then sorted by key and rewritten. Everything else streams.
+
+use std::ops::Range;
+
+use serde::ser::{self, Error as _, Impossible, Serialize};
+use serde_json::Error;
+
+/// Largest integer a double represents exactly; integral floats below it are written
+/// as integers so `1.0` and `1` are one number.
+const EXACT_INT: f64 = 9_007_199_254_740_992.0;
+
+/// Writes `value` canonically at the end of `out`.
+pub(crate) fn write<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result<(), Error> {
+    value.serialize(Canonical { out })
+}
+
+struct Canonical<'a> {
+    out: &'a mut Vec<u8>,
+}
+
+fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), Error> {
+    serde_json::to_writer(out, s)
+}
+
+fn write_int(out: &mut Vec<u8>, v: impl itoa::Integer) {
+    out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+}
+
+fn write_f64(out: &mut Vec<u8>, f: f64) -> Result<(), Error> {
+    if !f.is_finite() {
+        out.extend_from_slice(b"null");
+        Ok(())
+    } else if f.fract() == 0.0 && f.abs() < EXACT_INT {
+        write_int(out, f as i64);
+        Ok(())
+    } else {
+        serde_json::to_writer(out, &f)
+    }
+}
+
+/// `{"variant":` — the opening of an externally tagged enum variant.
+fn open_variant(out: &mut Vec<u8>, variant: &str) -> Result<(), Error> {
+    out.push(b'{');
+    write_str(out, variant)?;
+    out.push(b':');
+    Ok(())
+}
+
+impl<'a> ser::Serializer for Canonical<'a> {
+    type Ok = ();
+    type Error = Error;
+    type SerializeSeq = Seq<'a>;
+    type SerializeTuple = Seq<'a>;
+    type SerializeTupleStruct = Seq<'a>;
+    type SerializeTupleVariant = Seq<'a>;
+    type SerializeMap = Map<'a>;
+    type SerializeStruct = Map<'a>;
+    type SerializeStructVariant = Map<'a>;
+
+    fn serialize_bool(self, v: bool) -> Result<(), Error> {
+        self.out
+            .extend_from_slice(if v { b"true" } else { b"false" });
+        Ok(())
+    }
+    fn serialize_i8(self, v: i8) -> Result<(), Error> {
+        write_int(self.out, v);
+        Ok(())
+    }
+    fn serialize_i16(self, v: i16) -> Result<(), Error> {
+        write_int(self.out, v);
+        Ok(())
+    }
+    fn serialize_i32(self, v: i32) -> Result<(), Error> {
+        write_int(self.out, v);
+        Ok(())
+    }
+    fn serialize_i64(self, v: i64) -> Result<(), Error> {
+        write_int(self.out, v);
+        Ok(())
+    }
+    fn serialize_i128(self, v: i128) -> Result<(), Error> {
+        if i64::try_from(v).is_ok() || u64::try_from(v).is_ok() {
+            write_int(self.out, v);
+            Ok(())
+        } else {
+            Err(Error::custom("number out of range"))
+        }
+    }
+    fn serialize_u8(self, v: u8) -> Result<(), Error> {
+        write_int(self.out, v);
+        Ok(())
+    }
+    fn serialize_u16(self, v: u16) -> Result<(), Error> {
+        write_int(self.out, v);
+        Ok(())
+    }
+    fn serialize_u32(self, v: u32) -> Result<(), Error> {
+        write_int(self.out, v);
+        Ok(())
+    }
+    fn serialize_u64(self, v: u64) -> Result<(), Error> {
+        write_int(self.out, v);
+        Ok(())
+    }
+    fn serialize_u128(self, v: u128) -> Result<(), Error> {
+        if u64::try_from(v).is_ok() {
+            write_int(self.out, v);
+            Ok(())
+        } else {
+            Err(Error::custom("number out of range"))
+        }
+    }
+    fn serialize_f32(self, v: f32) -> Result<(), Error> {
+        write_f64(self.out, f64::from(v))
+    }
+    fn serialize_f64(self, v: f64) -> Result<(), Error> {
+        write_f64(self.out, v)
+    }
+    fn serialize_char(self, v: char) -> Result<(), Error> {
+        write_str(self.out, v.encode_utf8(&mut [0u8; 4]))
+    }
+    fn serialize_str(self, v: &str) -> Result<(), Error> {
+        write_str(self.out, v)
+    }
+    fn serialize_bytes(self, v: &[u8]) -> Result<(), Error> {
+        self.out.push(b'[');
+        for (i, b) in v.iter().enumerate() {
+            if i > 0 {
+                self.out.push(b',');
+            }
+            write_int(self.out, *b);
+        }
+        self.out.push(b']');
+        Ok(())
+    }
+    fn serialize_none(self) -> Result<(), Error> {
+        self.serialize_unit()
+    }
+    fn serialize_some<T: Serialize + ?Sized>(self, value: &T) -> Result<(), Error> {
+        value.serialize(self)
+    }
+    fn serialize_unit(self) -> Result<(), Error> {
+        self.out.extend_from_slice(b"null");
+        Ok(())
+    }
+    fn serialize_unit_struct(self, _: &'static str) -> Result<(), Error> {
+        self.serialize_unit()
+    }
+    fn serialize_unit_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+    ) -> Result<(), Error> {
+        write_str(self.out, variant)
+    }
+    fn serialize_newtype_struct<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        value: &T,
+    ) -> Result<(), Error> {
+        value.serialize(self)
+    }
+    fn serialize_newtype_variant<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+        value: &T,
+    ) -> Result<(), Error> {
+        open_variant(self.out, variant)?;
+        value.serialize(Canonical {
+            out: &mut *self.out,
+        })?;
+        self.out.push(b'}');
+        Ok(())
+    }
+    fn serialize_seq(self, _: Option<usize>) -> Result<Seq<'a>, Error> {
+        self.out.push(b'[');
+        Ok(Seq {
+            out: self.out,
+            first: true,
+            close_variant: false,
+        })
+    }
+    fn serialize_tuple(self, len: usize) -> Result<Seq<'a>, Error> {
+        self.serialize_seq(Some(len))
+    }
+    fn serialize_tuple_struct(self, _: &'static str, len: usize) -> Result<Seq<'a>, Error> {
+        self.serialize_seq(Some(len))
+    }
+    fn serialize_tuple_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+        _: usize,
+    ) -> Result<Seq<'a>, Error> {
+        open_variant(self.out, variant)?;
+        self.out.push(b'[');
+        Ok(Seq {
+            out: self.out,
+            first: true,
+            close_variant: true,
+        })
+    }
+    fn serialize_map(self, len: Option<usize>) -> Result<Map<'a>, Error> {
+        Ok(Map::new(self.out, len.unwrap_or(0), false))
+    }
+    fn serialize_struct(self, _: &'static str, len: usize) -> Result<Map<'a>, Error> {
+        Ok(Map::new(self.out, len, false))
+    }
+    fn serialize_struct_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+        len: usize,
+    ) -> Result<Map<'a>, Error> {
+        open_variant(self.out, variant)?;
+        Ok(Map::new(self.out, len, true))
+    }
+}
+
+/// Arrays (and tuples, and tuple variants): streamed.
+struct Seq<'a> {
+    out: &'a mut Vec<u8>,
+    first: bool,
+    close_variant: bool,
+}
+
+impl Seq<'_> {
+    fn element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
+        if !self.first {
+            self.out.push(b',');
+        }
+        self.first = false;
+        value.serialize(Canonical {
+            out: &mut *self.out,
+        })
+    }
+    fn finish(self) -> Result<(), Error> {
+        self.out.push(b']');
+        if self.close_variant {
+            self.out.push(b'}');
+        }
+        Ok(())
+    }
+}
+
+impl ser::SerializeSeq for Seq<'_> {
+    type Ok = ();
+    type Error = Error;
+    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
+        self.element(value)
+    }
+    fn end(self) -> Result<(), Error> {
+        self.finish()
+    }
+}
+
+impl ser::SerializeTuple for Seq<'_> {
+    type Ok = ();
+    type Error = Error;
+    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
+        self.element(value)
+    }
+    fn end(self) -> Result<(), Error> {
+        self.finish()
+    }
+}
+
+impl ser::SerializeTupleStruct for Seq<'_> {
+    type Ok = ();
+    type Error = Error;
+    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
+        self.element(value)
+    }
+    fn end(self) -> Result<(), Error> {
+        self.finish()
+    }
+}
+
+impl ser::SerializeTupleVariant for Seq<'_> {
+    type Ok = ();
+    type Error = Error;
+    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
+        self.element(value)
+    }
+    fn end(self) -> Result<(), Error> {
+        self.finish()
+    }
+}
+
+/// Objects (maps, structs, struct variants): entries are written raw after `start`
+/// (key bytes, then the canonical value), then sorted by key and rewritten.
+struct Map<'a> {
+    out: &'a mut Vec<u8>,
+    start: usize,
+    entries: Vec<(Range<usize>, Range<usize>)>,
+    key: Option<Range<usize>>,
+    close_variant: bool,
+}
+
+impl<'a> Map<'a> {
+    fn new(out: &'a mut Vec<u8>, len: usize, close_variant: bool) -> Self {
+        let start = out.len();
+        Map {
+            out,
+            start,
+            entries: Vec::with_capacity(len),
+            key: None,
+            close_variant,
+        }
+    }
+
+    fn raw_key(&mut self, key: &str) {
+        let at = self.out.len();
+        self.out.extend_from_slice(key.as_bytes());
+        self.key = Some(at..self.out.len());
+    }
+
+    fn value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
+        let key = self
+            .key
+            .take()
+            .ok_or_else(|| Error::custom("map value without a key"))?;
+        let at = self.out.len();
+        value.serialize(Canonical {
+            out: &mut *self.out,
+        })?;
+        self.entries.push((key, at..self.out.len()));
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<(), Error> {
+        let raw = self.out.split_off(self.start);
+        let start = self.start;
+        let bytes = |r: &Range<usize>| &raw[r.start - start..r.end - start];
+        self.entries.sort_by(|a, b| bytes(&a.0).cmp(bytes(&b.0)));
+        self.out.push(b'{');
+        for (i, (key, value)) in self.entries.iter().enumerate() {
+            if i > 0 {
+                self.out.push(b',');
+            }
+            let key = std::str::from_utf8(bytes(key)).map_err(Error::custom)?;
+            write_str(self.out, key)?;
+            self.out.push(b':');
+            self.out.extend_from_slice(bytes(value));
+        }
+        self.out.push(b'}');
+        if self.close_variant {
+            self.out.push(b'}');
+        }
+        Ok(())
+    }
+}
+
+impl ser::SerializeMap for Map<'_> {
+    type Ok = ();
+    type Error = Error;
+    fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Result<(), Error> {
+        let key = key.serialize(KeyText)?;
+        self.raw_key(&key);
+        Ok(())
+    }
+    fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
+        self.value(value)
+    }
+    fn end(self) -> Result<(), Error> {
+        self.finish()
+    }
+}
+
+impl ser::SerializeStruct for Map<'_> {
+    type Ok = ();
+    type Error = Error;
+    fn serialize_field<T: Serialize + ?Sized>(
+        &mut self,
+        key: &'static str,
+        value: &T,
+    ) -> Result<(), Error> {
+        self.raw_key(key);
+        self.value(value)
+    }
+    fn end(self) -> Result<(), Error> {
+        self.finish()
+    }
+}
+
+impl ser::SerializeStructVariant for Map<'_> {
+    type Ok = ();
+    type Error = Error;
+    fn serialize_field<T: Serialize + ?Sized>(
+        &mut self,
+        key: &'static str,
+        value: &T,
+    ) -> Result<(), Error> {
+        self.raw_key(key);
+        self.value(value)
+    }
+    fn end(self) -> Result<(), Error> {
+        self.finish()
+    }
+}
+
+/// A map key as text, as serde_json accepts keys: strings, chars, integers, finite
+/// floats, bools, unit variants and newtypes of those. Anything else is an error.
+struct KeyText;
+
+fn key_must_be_a_string() -> Error {
+    Error::custom("key must be a string")
+}
+
+macro_rules! int_keys {
+    ($($f:ident: $t:ty),*) => {$(
+        fn $f(self, v: $t) -> Result<String, Error> {
+            Ok(itoa::Buffer::new().format(v).to_owned())
+        }
+    )*};
+}
+
+impl ser::Serializer for KeyText {
+    type Ok = String;
+    type Error = Error;
+    type SerializeSeq = Impossible<String, Error>;
+    type SerializeTuple = Impossible<String, Error>;
+    type SerializeTupleStruct = Impossible<String, Error>;
+    type SerializeTupleVariant = Impossible<String, Error>;
+    type SerializeMap = Impossible<String, Error>;
+    type SerializeStruct = Impossible<String, Error>;
+    type SerializeStructVariant = Impossible<String, Error>;
+
+    int_keys!(serialize_i8: i8, serialize_i16: i16, serialize_i32: i32, serialize_i64: i64,
+        serialize_i128: i128, serialize_u8: u8, serialize_u16: u16, serialize_u32: u32,
+        serialize_u64: u64, serialize_u128: u128);
+
+    fn serialize_bool(self, v: bool) -> Result<String, Error> {
+        Ok(if v { "true" } else { "false" }.to_owned())
+    }
+    fn serialize_f32(self, v: f32) -> Result<String, Error> {
+        self.serialize_f64(f64::from(v))
+    }
+    fn serialize_f64(self, v: f64) -> Result<String, Error> {
+        if v.is_finite() {
+            serde_json::to_string(&v)
+        } else {
+            Err(Error::custom("float key must be finite"))
+        }
+    }
+    fn serialize_char(self, v: char) -> Result<String, Error> {
+        Ok(v.to_string())
+    }
+    fn serialize_str(self, v: &str) -> Result<String, Error> {
+        Ok(v.to_owned())
+    }
+    fn serialize_unit_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+    ) -> Result<String, Error> {
+        Ok(variant.to_owned())
+    }
+    fn serialize_newtype_struct<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        value: &T,
+    ) -> Result<String, Error> {
+        value.serialize(self)
+    }
+    fn serialize_bytes(self, _: &[u8]) -> Result<String, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_none(self) -> Result<String, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_some<T: Serialize + ?Sized>(self, _: &T) -> Result<String, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_unit(self) -> Result<String, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_unit_struct(self, _: &'static str) -> Result<String, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_newtype_variant<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: &T,
+    ) -> Result<String, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_seq(self, _: Option<usize>) -> Result<Self::SerializeSeq, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_tuple(self, _: usize) -> Result<Self::SerializeTuple, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_tuple_struct(
+        self,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleStruct, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_tuple_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleVariant, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_map(self, _: Option<usize>) -> Result<Self::SerializeMap, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_struct(self, _: &'static str, _: usize) -> Result<Self::SerializeStruct, Error> {
+        Err(key_must_be_a_string())
+    }
+    fn serialize_struct_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeStructVariant, Error> {
+        Err(key_must_be_a_string())
+    }
+}
