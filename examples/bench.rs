@@ -1,5 +1,6 @@
-//! The overhead table: what an idempotent call costs next to calling the tool directly
-//! and next to the floor of what any implementation must do.
+//! The overhead table: what an idempotent call costs next to calling the tool directly,
+//! next to the floor of what any implementation must do, and next to the `cached`
+//! crate's disk cache.
 //!
 //! ```text
 //! cargo run --release --example bench
@@ -7,12 +8,13 @@
 //!     cargo run --release --features postgres,redis --example bench
 //! ```
 //!
-//! Every figure is the median of 15 batches, measured in this one run, so the ratios
+//! Every figure is the median of 15 batches measured in this one run, so the ratios
 //! compare like with like on a noisy machine. The input is a 513-byte email and the
-//! result a 114-byte message id, as JSON.
+//! result a 114-byte message id, as JSON. Takes well under a minute.
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use idem::{idempotent, Error, MemoryStore, Run, SledStore};
@@ -39,11 +41,11 @@ struct MessageId {
 fn email(n: u64) -> SendEmail {
     let mut tags = HashMap::new();
     tags.insert("campaign".to_string(), "winter-sale".to_string());
-    tags.insert("n".to_string(), n.to_string());
+    tags.insert("n".to_string(), format!("{n:07}"));
     SendEmail {
         to: "ada.lovelace@example.com".into(),
         cc: vec!["charles.babbage@example.com".into()],
-        subject: "Your order #4711 has shipped".into(),
+        subject: "Your order #4711 has shipped today".into(),
         body: "Hello Ada, your order is on its way. ".repeat(9),
         tags,
     }
@@ -52,9 +54,9 @@ fn email(n: u64) -> SendEmail {
 fn message_id() -> MessageId {
     MessageId {
         id: "msg_01HZX3V6Q8R1N4KJ7T2W9Y5B0C".into(),
-        provider: "mailer-eu-west-1".into(),
+        provider: "mailer-eu-1".into(),
         accepted_at: 1_764_681_600_000,
-        queue: "transactional".into(),
+        queue: "transaction".into(),
     }
 }
 
@@ -68,50 +70,105 @@ async fn send_email(run: &Run, input: &SendEmail) -> Result<MessageId, Error> {
     Ok(send(input))
 }
 
-/// Median time per operation over `batches` batches of `n` operations.
-fn median_per_op(batches: usize, n: usize, mut batch: impl FnMut(usize) -> Duration) -> Duration {
-    let mut times: Vec<Duration> = (0..batches).map(|b| batch(b) / n as u32).collect();
+const BATCHES: usize = 15;
+
+/// Median time per operation over `BATCHES` batches of `n` calls of `op`.
+fn median(n: usize, mut op: impl FnMut(u64)) -> Duration {
+    let mut i = 0u64;
+    let mut times: Vec<Duration> = (0..BATCHES)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..n {
+                i += 1;
+                op(i);
+            }
+            t.elapsed() / n as u32
+        })
+        .collect();
     times.sort();
-    times[times.len() / 2]
+    times[BATCHES / 2]
 }
 
-fn time<F: FnOnce()>(f: F) -> Duration {
-    let t = Instant::now();
-    f();
-    t.elapsed()
+/// [`median`] for async operations, on the current runtime.
+async fn median_async<F: Future>(n: usize, mut op: impl FnMut(u64) -> F) -> Duration {
+    let mut i = 0u64;
+    let mut times = Vec::new();
+    for _ in 0..BATCHES {
+        let t = Instant::now();
+        for _ in 0..n {
+            i += 1;
+            op(i).await;
+        }
+        times.push(t.elapsed() / n as u32);
+    }
+    times.sort();
+    times[BATCHES / 2]
 }
 
-async fn time_async<F: Future>(f: F) -> Duration {
-    let t = Instant::now();
-    f.await;
-    t.elapsed()
-}
-
-/// The hand-written floor of key derivation: JSON, SHA-256, hex.
-fn floor_key(input: &SendEmail) -> String {
-    let json = serde_json::to_vec(input).unwrap();
-    let digest = Sha256::digest(&json);
-    digest.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-struct Row {
-    what: String,
-    value: Duration,
-    floor: Option<(String, Duration)>,
-}
-
-fn fmt(d: Duration) -> String {
-    let ns = d.as_nanos();
-    if ns < 10_000 {
-        format!("{:.2} µs", ns as f64 / 1000.0)
-    } else if ns < 10_000_000 {
-        format!("{:.1} µs", ns as f64 / 1000.0)
-    } else {
-        format!("{:.2} ms", ns as f64 / 1e6)
+struct HashWriter(Sha256);
+impl Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
-const BATCHES: usize = 15;
+/// The floor of key derivation: JSON streamed into SHA-256, hex into a stack buffer.
+fn floor_key(input: &SendEmail) -> [u8; 64] {
+    let mut h = HashWriter(Sha256::new());
+    serde_json::to_writer(&mut h, input).unwrap();
+    let digest = h.0.finalize();
+    let mut hex = [0u8; 64];
+    for (i, b) in digest.iter().enumerate() {
+        hex[2 * i] = b"0123456789abcdef"[usize::from(b >> 4)];
+        hex[2 * i + 1] = b"0123456789abcdef"[usize::from(b & 15)];
+    }
+    hex
+}
+
+/// A row: what, its median, and what it is compared with.
+type Row = (String, Duration, Option<(String, Duration)>);
+
+struct Table(Vec<Row>);
+
+impl Table {
+    fn row(&mut self, what: &str, value: Duration, floor: Option<(&str, Duration)>) {
+        self.0
+            .push((what.into(), value, floor.map(|(w, d)| (w.into(), d))));
+    }
+
+    fn print(&self) {
+        println!(
+            "{:<46} {:>10}   {:<34} {:>10} {:>7}",
+            "operation", "median", "compared with", "median", "ratio"
+        );
+        for (what, value, floor) in &self.0 {
+            match floor {
+                Some((f, d)) => println!(
+                    "{what:<46} {:>10}   {f:<34} {:>10} {:>6.2}x",
+                    fmt(*value),
+                    fmt(*d),
+                    value.as_secs_f64() / d.as_secs_f64()
+                ),
+                None => println!("{what:<46} {:>10}", fmt(*value)),
+            }
+        }
+    }
+}
+
+fn fmt(d: Duration) -> String {
+    let ns = d.as_nanos() as f64;
+    if ns < 10_000.0 {
+        format!("{:.2} µs", ns / 1e3)
+    } else if ns < 10_000_000.0 {
+        format!("{:.1} µs", ns / 1e3)
+    } else {
+        format!("{:.2} ms", ns / 1e6)
+    }
+}
 
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -119,200 +176,309 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let mut rows = Vec::new();
+    let started = Instant::now();
     let input = email(0);
     println!(
-        "input {} bytes, result {} bytes (JSON)",
+        "input {} bytes, result {} bytes (JSON); medians of {BATCHES} batches\n",
         serde_json::to_vec(&input).unwrap().len(),
         serde_json::to_vec(&message_id()).unwrap().len()
     );
-
-    // Direct call and key derivation.
+    let mut t = Table(Vec::new());
     let n = 20_000;
-    let direct = median_per_op(BATCHES, n, |_| {
-        time(|| {
-            for _ in 0..n {
-                std::hint::black_box(send(std::hint::black_box(&input)));
-            }
-        })
+
+    let direct = median(n, |_| {
+        std::hint::black_box(send(std::hint::black_box(&input)));
     });
-    rows.push(Row {
-        what: "direct call of the tool body".into(),
-        value: direct,
-        floor: None,
-    });
-    let floor_derive = median_per_op(BATCHES, n, |_| {
-        time(|| {
-            for _ in 0..n {
-                std::hint::black_box(floor_key(&input));
-            }
-        })
+    t.row("direct call of the tool body", direct, None);
+    let floor = median(n, |_| {
+        std::hint::black_box(floor_key(&input));
     });
     let run = Run::new("bench").with_store(MemoryStore::new());
-    let derive = median_per_op(BATCHES, n, |_| {
-        time(|| {
-            for _ in 0..n {
-                std::hint::black_box(
-                    idem::Call::new(Some(&run), "send_email", idem::Options::new(), &[&input])
-                        .unwrap(),
-                );
-            }
-        })
+    let derive = median(n, |_| {
+        let call = idem::Call::from_args(
+            Some(&run),
+            "send_email",
+            idem::Options::new(),
+            &[&input as &dyn idem::__private::KeyInput],
+            None,
+        );
+        std::hint::black_box(call.unwrap());
     });
-    rows.push(Row {
-        what: "key derivation (canonical JSON + SHA-256 + key)".into(),
-        value: derive,
-        floor: Some(("serde_json + SHA-256 + hex".into(), floor_derive)),
-    });
+    t.row(
+        "key derivation (canonical JSON, SHA-256, key)",
+        derive,
+        Some(("JSON streamed to SHA-256, hex", floor)),
+    );
+    for (label, size) in [("100 B", 100), ("10 KiB", 10 << 10), ("1 MiB", 1 << 20)] {
+        let blob = "x".repeat(size);
+        let m = (2_000_000 / size).clamp(5, 20_000);
+        let d = median(m, |_| {
+            std::hint::black_box(idem::Fingerprint::of("t", &blob).unwrap());
+        });
+        t.row(&format!("fingerprint of a {label} input"), d, None);
+    }
 
-    // Memory: hit.
     rt.block_on(async {
+        // Memory.
         let run = Run::new("bench-mem").with_store(MemoryStore::new());
         send_email(&run, &input).await.unwrap();
-        let mut map: HashMap<String, Vec<u8>> = HashMap::new();
+        let mut map: HashMap<[u8; 64], Vec<u8>> = HashMap::new();
         map.insert(
             floor_key(&input),
             serde_json::to_vec(&message_id()).unwrap(),
         );
-        let floor = median_per_op(BATCHES, n, |_| {
-            time(|| {
-                for _ in 0..n {
-                    let bytes = map.get(&floor_key(&input)).unwrap();
-                    std::hint::black_box(serde_json::from_slice::<MessageId>(bytes).unwrap());
-                }
-            })
+        let floor = median(n, |_| {
+            let bytes = &map[&floor_key(&input)];
+            std::hint::black_box(serde_json::from_slice::<MessageId>(bytes).unwrap());
         });
-        let mut hit = Vec::new();
-        for _ in 0..BATCHES {
-            hit.push(
-                time_async(async {
-                    for _ in 0..n {
-                        std::hint::black_box(send_email(&run, &input).await.unwrap());
-                    }
-                })
-                .await
-                    / n as u32,
-            );
-        }
-        hit.sort();
-        rows.push(Row {
-            what: "memory: hit".into(),
-            value: hit[BATCHES / 2],
-            floor: Some(("key + map lookup + decode".into(), floor)),
-        });
-    });
+        let hit = median_async(n, |_| send_email(&run, &input)).await;
+        t.row(
+            "memory: hit",
+            hit,
+            Some(("key + map lookup + decode", floor)),
+        );
 
-    // Sled: hit and miss.
-    let dir = tempfile::tempdir().unwrap();
-    let sled = SledStore::open(dir.path().join("idem")).unwrap();
-    let raw = sled::open(dir.path().join("floor")).unwrap();
-    rt.block_on(async {
-        let run = Run::new("bench-sled").with_store(sled.clone());
+        // Sled.
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(dir.path().join("idem")).unwrap();
+        let raw = sled::open(dir.path().join("floor")).unwrap();
+        let run = Run::new("bench-sled").with_store(store.clone());
         send_email(&run, &input).await.unwrap();
         raw.insert(
             floor_key(&input),
             serde_json::to_vec(&message_id()).unwrap(),
         )
         .unwrap();
-        let floor = median_per_op(BATCHES, n, |_| {
-            time(|| {
-                for _ in 0..n {
-                    let bytes = raw.get(floor_key(&input)).unwrap().unwrap();
-                    std::hint::black_box(serde_json::from_slice::<MessageId>(&bytes).unwrap());
-                }
-            })
+        let floor = median(n, |_| {
+            let bytes = raw.get(floor_key(&input)).unwrap().unwrap();
+            std::hint::black_box(serde_json::from_slice::<MessageId>(&bytes).unwrap());
         });
-        let mut hit = Vec::new();
-        for _ in 0..BATCHES {
-            hit.push(
-                time_async(async {
-                    for _ in 0..n {
-                        std::hint::black_box(send_email(&run, &input).await.unwrap());
-                    }
+        let hit = median_async(n, |_| send_email(&run, &input)).await;
+        t.row("sled: hit", hit, Some(("key + sled get + decode", floor)));
+
+        use cached::IOCached;
+        let disk: cached::DiskCache<String, MessageId> = cached::DiskCache::new("bench")
+            .set_disk_directory(dir.path().join("cached"))
+            .build()
+            .unwrap();
+        // What `#[io_cached(disk = true, convert = ..)]` does per call: build the key
+        // from the arguments, then read the disk cache.
+        disk.cache_set(format!("{input:?}"), message_id()).unwrap();
+        let cached_hit = median(n, |_| {
+            let key = format!("{input:?}");
+            std::hint::black_box(disk.cache_get(&key).unwrap().unwrap());
+        });
+        t.row(
+            "sled: hit",
+            hit,
+            Some(("cached 0.56 disk hit (key + get)", cached_hit)),
+        );
+
+        for records in [1_000u64, 100_000] {
+            let dir = tempfile::tempdir().unwrap();
+            let store = SledStore::open(dir.path()).unwrap();
+            let run = Run::new("bench-size").with_store(store);
+            let fill = Instant::now();
+            let tasks: Vec<_> = (0..64u64)
+                .map(|w| {
+                    let run = run.clone();
+                    tokio::spawn(async move {
+                        let mut i = w;
+                        while i < records {
+                            send_email(&run, &email(i)).await.unwrap();
+                            i += 64;
+                        }
+                    })
                 })
-                .await
-                    / n as u32,
-            );
+                .collect();
+            for task in tasks {
+                task.await.unwrap();
+            }
+            let _ = fill;
+            let probe = email(records / 2);
+            let hit = median_async(n / 4, |_| send_email(&run, &probe)).await;
+            t.row(&format!("sled: hit, {records} records stored"), hit, None);
         }
-        hit.sort();
-        rows.push(Row {
-            what: "sled: hit".into(),
-            value: hit[BATCHES / 2],
-            floor: Some(("key + sled get + decode".into(), floor)),
-        });
 
         let m = 40;
-        let mut next = 1_000_000u64;
-        let floor = median_per_op(BATCHES, m, |_| {
-            time(|| {
-                for _ in 0..m {
-                    next += 1;
-                    raw.insert(next.to_be_bytes(), &b"claim"[..]).unwrap();
-                    raw.flush().unwrap();
-                    raw.insert(next.to_be_bytes(), &b"result"[..]).unwrap();
-                    raw.flush().unwrap();
-                }
-            })
+        let mut k = 0u64;
+        let floor = median(m, |_| {
+            k += 1;
+            raw.insert(k.to_be_bytes(), &b"claim"[..]).unwrap();
+            raw.flush().unwrap();
+            raw.insert(k.to_be_bytes(), &b"result"[..]).unwrap();
+            raw.flush().unwrap();
         });
-        let mut miss = Vec::new();
-        for _ in 0..BATCHES {
-            let t = Instant::now();
-            for _ in 0..m {
-                next += 1;
-                send_email(&run, &email(next)).await.unwrap();
-            }
-            miss.push(t.elapsed() / m as u32);
-        }
-        miss.sort();
-        let serial = miss[BATCHES / 2];
-        rows.push(Row {
-            what: "sled: miss, durable, serial".into(),
-            value: serial,
-            floor: Some(("two sled insert + flush".into(), floor)),
-        });
-
-        // 64 concurrent misses on distinct keys.
-        let per_task = 10;
-        let started = Instant::now();
-        let tasks: Vec<_> = (0..64u64)
-            .map(|t| {
-                let run = run.clone();
-                tokio::spawn(async move {
-                    for i in 0..per_task {
-                        send_email(&run, &email(10_000_000 + t * 1000 + i))
-                            .await
-                            .unwrap();
-                    }
+        let run = Run::new("bench-sled-miss").with_store(store.clone());
+        let serial = median_async(m, |i| {
+            let run = run.clone();
+            async move { send_email(&run, &email(1_000_000 + i)).await.unwrap() }
+        })
+        .await;
+        t.row(
+            "sled: miss, durable, serial",
+            serial,
+            Some(("two sled insert + flush", floor)),
+        );
+        for tasks in [8u64, 64] {
+            let per_task = 640 / tasks;
+            let started = Instant::now();
+            let handles: Vec<_> = (0..tasks)
+                .map(|w| {
+                    let run = run.clone();
+                    tokio::spawn(async move {
+                        for i in 0..per_task {
+                            send_email(&run, &email(10_000_000 * (tasks + 1) + w * 1000 + i))
+                                .await
+                                .unwrap();
+                        }
+                    })
                 })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
+                .collect();
+            for h in handles {
+                h.await.unwrap();
+            }
+            let per_call = started.elapsed() / (tasks * per_task) as u32;
+            t.row(
+                &format!("sled: miss, durable, {tasks} concurrent, per call"),
+                per_call,
+                Some(("the serial miss", serial)),
+            );
         }
-        let per_call = started.elapsed() / (64 * per_task) as u32;
-        rows.push(Row {
-            what: "sled: miss, durable, 64 concurrent (time per call)".into(),
-            value: per_call,
-            floor: Some(("the serial miss above".into(), serial)),
-        });
+
+        #[cfg(feature = "redis")]
+        if let Ok(url) = std::env::var("IDEM_REDIS_URL") {
+            network::redis(&url, &input, &mut t).await;
+        }
+        #[cfg(feature = "postgres")]
+        if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
+            network::postgres(&url, &input, &mut t).await;
+        }
     });
 
-    println!();
-    println!(
-        "{:<52} {:>10}   {:<30} {:>10} {:>7}",
-        "operation", "median", "floor", "median", "ratio"
-    );
-    for row in &rows {
-        match &row.floor {
-            Some((what, floor)) => println!(
-                "{:<52} {:>10}   {:<30} {:>10} {:>6.2}x",
-                row.what,
-                fmt(row.value),
-                what,
-                fmt(*floor),
-                row.value.as_secs_f64() / floor.as_secs_f64()
-            ),
-            None => println!("{:<52} {:>10}", row.what, fmt(row.value)),
-        }
+    t.print();
+    println!("\n(whole run: {:.1} s)", started.elapsed().as_secs_f64());
+}
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod network {
+    use super::*;
+
+    #[cfg(feature = "redis")]
+    pub async fn redis(url: &str, input: &SendEmail, t: &mut Table) {
+        let prefix = format!("idem-bench-{}:", std::process::id());
+        let store = idem::RedisStore::builder(url)
+            .prefix(&prefix)
+            .connect()
+            .await
+            .unwrap();
+        let run = Run::new("bench-redis").with_store(store);
+        let mut c = redis::Client::open(url)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let rt = median_async(2_000, |_| {
+            let mut c = c.clone();
+            async move {
+                let _: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg("idem-bench-floor")
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+        send_email(&run, input).await.unwrap();
+        let hit = median_async(2_000, |_| send_email(&run, input)).await;
+        t.row("redis: hit", hit, Some(("one round trip (GET)", rt)));
+        let miss = median_async(500, |i| {
+            let run = run.clone();
+            async move { send_email(&run, &email(2_000_000 + i)).await.unwrap() }
+        })
+        .await;
+        t.row("redis: miss", miss, Some(("one round trip (GET)", rt)));
+        let _: () = redis::cmd("EVAL")
+            .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
+            .arg(0)
+            .arg(format!("{prefix}*"))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+
+    #[cfg(feature = "postgres")]
+    pub async fn postgres(url: &str, input: &SendEmail, t: &mut Table) {
+        let table = format!("idem_bench_{}", std::process::id());
+        let store = idem::PostgresStore::builder(url)
+            .table(&table)
+            .connect()
+            .await
+            .unwrap();
+        let run = Run::new("bench-pg").with_store(store);
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE {table}_floor (k int8 PRIMARY KEY, v bytea)"
+            ))
+            .await
+            .unwrap();
+        let select = client
+            .prepare(&format!("SELECT v FROM {table}_floor WHERE k = $1"))
+            .await
+            .unwrap();
+        let query = median_async(2_000, |i| {
+            let (client, select) = (&client, &select);
+            async move {
+                client.query_opt(select, &[&(i as i64)]).await.unwrap();
+            }
+        })
+        .await;
+        let insert = client
+            .prepare(&format!("INSERT INTO {table}_floor (k, v) VALUES ($1, $2)"))
+            .await
+            .unwrap();
+        let update = client
+            .prepare(&format!("UPDATE {table}_floor SET v = $2 WHERE k = $1"))
+            .await
+            .unwrap();
+        let commits = median_async(200, |i| {
+            let (client, insert, update) = (&client, &insert, &update);
+            async move {
+                client
+                    .execute(insert, &[&(i as i64), &&b"claim"[..]])
+                    .await
+                    .unwrap();
+                client
+                    .execute(update, &[&(i as i64), &&b"result"[..]])
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+        send_email(&run, input).await.unwrap();
+        let hit = median_async(2_000, |_| send_email(&run, input)).await;
+        t.row(
+            "postgres: hit",
+            hit,
+            Some(("one SELECT by primary key", query)),
+        );
+        let miss = median_async(200, |i| {
+            let run = run.clone();
+            async move { send_email(&run, &email(3_000_000 + i)).await.unwrap() }
+        })
+        .await;
+        t.row(
+            "postgres: miss",
+            miss,
+            Some(("two commits (INSERT, UPDATE)", commits)),
+        );
+        client
+            .batch_execute(&format!("DROP TABLE {table}; DROP TABLE {table}_floor"))
+            .await
+            .unwrap();
     }
 }

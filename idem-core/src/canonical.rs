@@ -5,6 +5,7 @@
 //! Maps and structs are the only places that buffer: their entries are written in
 //! place, then sorted by key and rewritten. Everything else streams.
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use serde::ser::{self, Error as _, Impossible, Serialize};
@@ -209,21 +210,21 @@ impl<'a> ser::Serializer for Canonical<'a> {
             close_variant: true,
         })
     }
-    fn serialize_map(self, len: Option<usize>) -> Result<Map<'a>, Error> {
-        Ok(Map::new(self.out, len.unwrap_or(0), false))
+    fn serialize_map(self, _: Option<usize>) -> Result<Map<'a>, Error> {
+        Map::new(self.out, false)
     }
-    fn serialize_struct(self, _: &'static str, len: usize) -> Result<Map<'a>, Error> {
-        Ok(Map::new(self.out, len, false))
+    fn serialize_struct(self, _: &'static str, _: usize) -> Result<Map<'a>, Error> {
+        Map::new(self.out, false)
     }
     fn serialize_struct_variant(
         self,
         _: &'static str,
         _: u32,
         variant: &'static str,
-        len: usize,
+        _: usize,
     ) -> Result<Map<'a>, Error> {
         open_variant(self.out, variant)?;
-        Ok(Map::new(self.out, len, true))
+        Map::new(self.out, true)
     }
 }
 
@@ -299,24 +300,43 @@ impl ser::SerializeTupleVariant for Seq<'_> {
 
 /// Objects (maps, structs, struct variants): entries are written raw after `start`
 /// (key bytes, then the canonical value), then sorted by key and rewritten.
+///
+/// The entry list and the copy made for rewriting live in per-thread buffers that are
+/// reused, so steady-state hashing allocates nothing. Entry lists of nested maps stack
+/// on top of their parent's and are gone before the parent's next entry.
 struct Map<'a> {
     out: &'a mut Vec<u8>,
     start: usize,
-    entries: Vec<(Range<usize>, Range<usize>)>,
+    /// Where this map's entries begin on the thread's entry stack.
+    base: usize,
     key: Option<Range<usize>>,
     close_variant: bool,
 }
 
+type Entry = (Range<usize>, Range<usize>);
+
+thread_local! {
+    static ENTRIES: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
+    static TAIL: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+fn entries<T>(f: impl FnOnce(&mut Vec<Entry>) -> T) -> Result<T, Error> {
+    ENTRIES
+        .with(|e| e.try_borrow_mut().map(|mut e| f(&mut e)))
+        .map_err(|_| Error::custom("canonical writer re-entered"))
+}
+
 impl<'a> Map<'a> {
-    fn new(out: &'a mut Vec<u8>, len: usize, close_variant: bool) -> Self {
+    fn new(out: &'a mut Vec<u8>, close_variant: bool) -> Result<Self, Error> {
         let start = out.len();
-        Map {
+        let base = entries(|e| e.len())?;
+        Ok(Map {
             out,
             start,
-            entries: Vec::with_capacity(len),
+            base,
             key: None,
             close_variant,
-        }
+        })
     }
 
     fn raw_key(&mut self, key: &str) {
@@ -334,30 +354,46 @@ impl<'a> Map<'a> {
         value.serialize(Canonical {
             out: &mut *self.out,
         })?;
-        self.entries.push((key, at..self.out.len()));
-        Ok(())
+        let end = self.out.len();
+        entries(|e| e.push((key, at..end)))
     }
 
-    fn finish(mut self) -> Result<(), Error> {
-        let raw = self.out.split_off(self.start);
-        let start = self.start;
-        let bytes = |r: &Range<usize>| &raw[r.start - start..r.end - start];
-        self.entries.sort_by(|a, b| bytes(&a.0).cmp(bytes(&b.0)));
-        self.out.push(b'{');
-        for (i, (key, value)) in self.entries.iter().enumerate() {
-            if i > 0 {
-                self.out.push(b',');
+    fn finish(self) -> Result<(), Error> {
+        let (start, base, close_variant) = (self.start, self.base, self.close_variant);
+        let out = self.out;
+        let mut rewrite = |tail: &mut Vec<u8>, stack: &mut Vec<Entry>| -> Result<(), Error> {
+            let mine = stack.get_mut(base..).unwrap_or_default();
+            tail.clear();
+            tail.extend_from_slice(&out[start..]);
+            let bytes = |r: &Range<usize>| &tail[r.start - start..r.end - start];
+            mine.sort_by(|a, b| bytes(&a.0).cmp(bytes(&b.0)));
+            out.truncate(start);
+            out.push(b'{');
+            for (i, (key, value)) in mine.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                let key = std::str::from_utf8(bytes(key)).map_err(Error::custom)?;
+                write_str(out, key)?;
+                out.push(b':');
+                out.extend_from_slice(bytes(value));
             }
-            let key = std::str::from_utf8(bytes(key)).map_err(Error::custom)?;
-            write_str(self.out, key)?;
-            self.out.push(b':');
-            self.out.extend_from_slice(bytes(value));
-        }
-        self.out.push(b'}');
-        if self.close_variant {
-            self.out.push(b'}');
-        }
-        Ok(())
+            out.push(b'}');
+            if close_variant {
+                out.push(b'}');
+            }
+            stack.truncate(base);
+            Ok(())
+        };
+        TAIL.with(|t| {
+            let mut fresh = Vec::new();
+            let mut tail = t.try_borrow_mut();
+            let tail = match &mut tail {
+                Ok(tail) => &mut **tail,
+                Err(_) => &mut fresh,
+            };
+            entries(|stack| rewrite(tail, stack))?
+        })
     }
 }
 
@@ -365,8 +401,9 @@ impl ser::SerializeMap for Map<'_> {
     type Ok = ();
     type Error = Error;
     fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Result<(), Error> {
-        let key = key.serialize(KeyText)?;
-        self.raw_key(&key);
+        let at = self.out.len();
+        key.serialize(KeyText(&mut *self.out))?;
+        self.key = Some(at..self.out.len());
         Ok(())
     }
     fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
@@ -409,9 +446,10 @@ impl ser::SerializeStructVariant for Map<'_> {
     }
 }
 
-/// A map key as text, as serde_json accepts keys: strings, chars, integers, finite
-/// floats, bools, unit variants and newtypes of those. Anything else is an error.
-struct KeyText;
+/// A map key as text, appended raw, as serde_json accepts keys: strings, chars,
+/// integers, finite floats, bools, unit variants and newtypes of those. Anything else
+/// is an error.
+struct KeyText<'a>(&'a mut Vec<u8>);
 
 fn key_must_be_a_string() -> Error {
     Error::custom("key must be a string")
@@ -419,74 +457,79 @@ fn key_must_be_a_string() -> Error {
 
 macro_rules! int_keys {
     ($($f:ident: $t:ty),*) => {$(
-        fn $f(self, v: $t) -> Result<String, Error> {
-            Ok(itoa::Buffer::new().format(v).to_owned())
+        fn $f(self, v: $t) -> Result<(), Error> {
+            write_int(self.0, v);
+            Ok(())
         }
     )*};
 }
 
-impl ser::Serializer for KeyText {
-    type Ok = String;
+impl ser::Serializer for KeyText<'_> {
+    type Ok = ();
     type Error = Error;
-    type SerializeSeq = Impossible<String, Error>;
-    type SerializeTuple = Impossible<String, Error>;
-    type SerializeTupleStruct = Impossible<String, Error>;
-    type SerializeTupleVariant = Impossible<String, Error>;
-    type SerializeMap = Impossible<String, Error>;
-    type SerializeStruct = Impossible<String, Error>;
-    type SerializeStructVariant = Impossible<String, Error>;
+    type SerializeSeq = Impossible<(), Error>;
+    type SerializeTuple = Impossible<(), Error>;
+    type SerializeTupleStruct = Impossible<(), Error>;
+    type SerializeTupleVariant = Impossible<(), Error>;
+    type SerializeMap = Impossible<(), Error>;
+    type SerializeStruct = Impossible<(), Error>;
+    type SerializeStructVariant = Impossible<(), Error>;
 
     int_keys!(serialize_i8: i8, serialize_i16: i16, serialize_i32: i32, serialize_i64: i64,
         serialize_i128: i128, serialize_u8: u8, serialize_u16: u16, serialize_u32: u32,
         serialize_u64: u64, serialize_u128: u128);
 
-    fn serialize_bool(self, v: bool) -> Result<String, Error> {
-        Ok(if v { "true" } else { "false" }.to_owned())
+    fn serialize_bool(self, v: bool) -> Result<(), Error> {
+        self.0.extend_from_slice(if v { b"true" } else { b"false" });
+        Ok(())
     }
-    fn serialize_f32(self, v: f32) -> Result<String, Error> {
+    fn serialize_f32(self, v: f32) -> Result<(), Error> {
         self.serialize_f64(f64::from(v))
     }
-    fn serialize_f64(self, v: f64) -> Result<String, Error> {
+    fn serialize_f64(self, v: f64) -> Result<(), Error> {
         if v.is_finite() {
-            serde_json::to_string(&v)
+            serde_json::to_writer(self.0, &v)
         } else {
             Err(Error::custom("float key must be finite"))
         }
     }
-    fn serialize_char(self, v: char) -> Result<String, Error> {
-        Ok(v.to_string())
+    fn serialize_char(self, v: char) -> Result<(), Error> {
+        self.0
+            .extend_from_slice(v.encode_utf8(&mut [0u8; 4]).as_bytes());
+        Ok(())
     }
-    fn serialize_str(self, v: &str) -> Result<String, Error> {
-        Ok(v.to_owned())
+    fn serialize_str(self, v: &str) -> Result<(), Error> {
+        self.0.extend_from_slice(v.as_bytes());
+        Ok(())
     }
     fn serialize_unit_variant(
         self,
         _: &'static str,
         _: u32,
         variant: &'static str,
-    ) -> Result<String, Error> {
-        Ok(variant.to_owned())
+    ) -> Result<(), Error> {
+        self.serialize_str(variant)
     }
     fn serialize_newtype_struct<T: Serialize + ?Sized>(
         self,
         _: &'static str,
         value: &T,
-    ) -> Result<String, Error> {
+    ) -> Result<(), Error> {
         value.serialize(self)
     }
-    fn serialize_bytes(self, _: &[u8]) -> Result<String, Error> {
+    fn serialize_bytes(self, _: &[u8]) -> Result<(), Error> {
         Err(key_must_be_a_string())
     }
-    fn serialize_none(self) -> Result<String, Error> {
+    fn serialize_none(self) -> Result<(), Error> {
         Err(key_must_be_a_string())
     }
-    fn serialize_some<T: Serialize + ?Sized>(self, _: &T) -> Result<String, Error> {
+    fn serialize_some<T: Serialize + ?Sized>(self, _: &T) -> Result<(), Error> {
         Err(key_must_be_a_string())
     }
-    fn serialize_unit(self) -> Result<String, Error> {
+    fn serialize_unit(self) -> Result<(), Error> {
         Err(key_must_be_a_string())
     }
-    fn serialize_unit_struct(self, _: &'static str) -> Result<String, Error> {
+    fn serialize_unit_struct(self, _: &'static str) -> Result<(), Error> {
         Err(key_must_be_a_string())
     }
     fn serialize_newtype_variant<T: Serialize + ?Sized>(
@@ -495,7 +538,7 @@ impl ser::Serializer for KeyText {
         _: u32,
         _: &'static str,
         _: &T,
-    ) -> Result<String, Error> {
+    ) -> Result<(), Error> {
         Err(key_must_be_a_string())
     }
     fn serialize_seq(self, _: Option<usize>) -> Result<Self::SerializeSeq, Error> {

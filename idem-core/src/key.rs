@@ -31,6 +31,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::protocol::KeyInput;
 use crate::{canonical, Error};
 
 /// The SHA-256 digest of an input's canonical serialization.
@@ -54,9 +55,33 @@ impl Fingerprint {
     ///
     /// `tool` only names the tool in the error if the value cannot be serialized.
     pub fn of<T: Serialize + ?Sized>(tool: &str, value: &T) -> Result<Self, Error> {
+        Self::hash(tool, |buf| canonical::write(buf, value))
+    }
+
+    /// Fingerprints a list of arguments: the same as fingerprinting them as one JSON
+    /// array (or tuple).
+    pub fn of_args(tool: &str, args: &[&dyn KeyInput]) -> Result<Self, Error> {
+        Self::hash(tool, |buf| {
+            buf.push(b'[');
+            for (i, arg) in args.iter().enumerate() {
+                if i > 0 {
+                    buf.push(b',');
+                }
+                arg.write_canonical(buf)?;
+            }
+            buf.push(b']');
+            Ok(())
+        })
+    }
+
+    /// SHA-256 of what `write` puts into the thread's scratch buffer.
+    fn hash(
+        tool: &str,
+        write: impl Fn(&mut Vec<u8>) -> Result<(), serde_json::Error>,
+    ) -> Result<Self, Error> {
         let hash = |buf: &mut Vec<u8>| {
             buf.clear();
-            let written = canonical::write(buf, value);
+            let written = write(buf);
             let digest = written.map(|()| Fingerprint(Sha256::digest(&buf[..]).into()));
             if buf.capacity() > SCRATCH_KEEP {
                 *buf = Vec::new();

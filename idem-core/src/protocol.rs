@@ -172,6 +172,24 @@ impl Call {
         Self::build(run, tool, options, fingerprint, &key_fingerprint)
     }
 
+    /// Prepares a call from the function's arguments, as the attribute does: `args` are
+    /// the arguments (hashed as a JSON array), `key` the ones that form the key, if not
+    /// all of them.
+    pub fn from_args(
+        run: Option<&Run>,
+        tool: &str,
+        options: Options,
+        args: &[&dyn KeyInput],
+        key: Option<&[&dyn KeyInput]>,
+    ) -> Result<Call, Error> {
+        let fingerprint = Fingerprint::of_args(tool, args)?;
+        let key_fingerprint = match key {
+            Some(key) => Fingerprint::of_args(tool, key)?,
+            None => fingerprint,
+        };
+        Self::build(run, tool, options, fingerprint, &key_fingerprint)
+    }
+
     fn build(
         run: Option<&Run>,
         tool: &str,
@@ -323,7 +341,7 @@ where
         retry_failed: !C::CACHES,
     };
     let key = &call.key;
-    let started = Instant::now();
+    let mut started: Option<Instant> = None;
     let mut poll = POLL_START;
     let mut listener = None;
     let result = loop {
@@ -366,7 +384,7 @@ where
                 });
             }
             Ok(Claim::Busy { lease_until }) => {
-                let waited = started.elapsed();
+                let waited = started.get_or_insert_with(Instant::now).elapsed();
                 let budget = match call.options.max_wait() {
                     Some(max) if waited < max => max - waited,
                     _ => {
@@ -477,12 +495,20 @@ where
 /// An argument that can be part of an idempotency key: any `Serialize` type.
 ///
 /// The attribute passes each argument as `&dyn KeyInput`, so an argument that does not
-/// serialize is one compile error, at that argument.
+/// serialize is one compile error, at that argument; and each argument is then written
+/// by fully typed code, with one dynamic call per argument.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be part of an idempotency key: it does not implement `serde::Serialize`",
     label = "this argument is hashed into the key",
     note = "derive `Serialize` for it, or, if it is context (a client, a connection) rather than input, list it in `skip = [...]`"
 )]
-pub trait KeyInput: erased_serde::Serialize {}
-impl<T: Serialize + ?Sized> KeyInput for T {}
-erased_serde::serialize_trait_object!(KeyInput);
+pub trait KeyInput {
+    /// Appends the canonical JSON of `self` to `out` (see [`crate::key`]).
+    fn write_canonical(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error>;
+}
+
+impl<T: Serialize + ?Sized> KeyInput for T {
+    fn write_canonical(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+        crate::canonical::write(out, self)
+    }
+}

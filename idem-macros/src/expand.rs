@@ -5,8 +5,8 @@
 //!
 //! ```text
 //! async fn send_email(input: SendEmail) -> Result<Sent, ToolError> {
-//!     let __idem_call = ::idem::__private::Call::new(
-//!         None, "send_email", OPTIONS, &[&input as &dyn KeyInput]);
+//!     let __idem_call = ::idem::__private::Call::from_args(
+//!         None, "send_email", OPTIONS, &[&input as &dyn KeyInput], None);
 //!     match ::idem::__private::execute::<Result<Sent, ToolError>, ReleaseErrors, _>(
 //!         __idem_call, async move { body }).await
 //!     {
@@ -100,16 +100,14 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         .filter(|p| matches!(p.role, Role::Input))
         .map(|p| as_input(&p.ident))
         .collect();
-    let inputs = quote!(&[#(#inputs),*] as &[&dyn #private::KeyInput]);
-    let call = match &args.key {
-        None => quote!(#private::Call::new(#run, #name, #options, #inputs)),
+    let key = match &args.key {
+        None => quote!(::core::option::Option::None),
         Some(key) => {
             let key: Vec<TokenStream> = key.iter().map(|e| as_input(e)).collect();
-            quote!(#private::Call::with_key(
-                #run, #name, #options, #inputs, &[#(#key),*] as &[&dyn #private::KeyInput]
-            ))
+            quote!(::core::option::Option::Some(&[#(#key),*]))
         }
     };
+    let call = quote!(#private::Call::from_args(#run, #name, #options, &[#(#inputs),*], #key));
 
     // The runtime calls carry bounds on the return type (`Result`, `Serialize`,
     // `From<idem::Error>`): span them at it, so that is where errors point.
