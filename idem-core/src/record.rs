@@ -166,6 +166,34 @@ impl Record {
         out
     }
 
+    /// Reads only the expiry of an encoded record (for purging without copying
+    /// results). The same checks as [`Record::decode`] on the header.
+    pub fn decode_expiry(key: &str, bytes: &[u8]) -> Result<Timestamp, Error> {
+        if bytes.len() < 5 || &bytes[..4] != MAGIC {
+            return Err(Error::CorruptRecord {
+                key: key.to_owned(),
+                reason: "not an idem record (bad magic)".to_owned(),
+            });
+        }
+        if bytes[4] != FORMAT_VERSION {
+            return Err(Error::UnsupportedFormat {
+                key: key.to_owned(),
+                version: bytes[4],
+            });
+        }
+        let mut b = [0u8; 8];
+        match bytes.get(46..54) {
+            Some(slice) => b.copy_from_slice(slice),
+            None => {
+                return Err(Error::CorruptRecord {
+                    key: key.to_owned(),
+                    reason: "truncated header".to_owned(),
+                })
+            }
+        }
+        Ok(Timestamp(u64::from_be_bytes(b)))
+    }
+
     /// Decodes a record read under `key`. Never panics, whatever the bytes.
     pub fn decode(key: &str, bytes: &[u8]) -> Result<Record, Error> {
         let corrupt = |reason: &str| Error::CorruptRecord {
@@ -273,6 +301,11 @@ mod tests {
                 Err(Error::CorruptRecord { ref key, .. }) if key == "k2"
             ));
         }
+        assert_eq!(
+            Record::decode_expiry("k", &good).unwrap(),
+            Timestamp(u64::MAX)
+        );
+        assert!(Record::decode_expiry("k", &good[..50]).is_err());
         let mut tag = good;
         tag[5] = 7;
         assert!(matches!(

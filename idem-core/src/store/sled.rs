@@ -307,26 +307,37 @@ impl Store for SledStore {
         }))
     }
 
+    /// Walks the tree and removes expired records, reading only their headers. The walk
+    /// runs on a tokio blocking thread (when there is a runtime), so calls go on while
+    /// a large store is purged; each removal is a compare-and-swap, so a key re-claimed
+    /// meanwhile is left alone.
     async fn purge_expired(&self) -> Result<u64, Error> {
-        let now = Timestamp::now();
-        let mut removed = 0u64;
-        for entry in self.inner.tree.iter() {
-            let (k, bytes) = entry.map_err(sled_error)?;
-            let key = String::from_utf8_lossy(&k);
-            match Record::decode(&key, &bytes) {
-                Ok(r) if r.is_expired(now) => {
-                    // Only if nobody re-claimed the key since we read it.
-                    let swapped = self
-                        .inner
-                        .tree
-                        .compare_and_swap(&k, Some(&bytes), None as Option<&[u8]>)
-                        .map_err(sled_error)?;
-                    removed += u64::from(swapped.is_ok());
+        let tree = self.inner.tree.clone();
+        let walk = move || -> Result<u64, Error> {
+            let now = Timestamp::now();
+            let mut removed = 0u64;
+            for entry in tree.iter() {
+                let (k, bytes) = entry.map_err(sled_error)?;
+                match Record::decode_expiry(&String::from_utf8_lossy(&k), &bytes) {
+                    Ok(expires_at) if expires_at <= now => {
+                        let swapped = tree
+                            .compare_and_swap(&k, Some(&bytes), None as Option<&[u8]>)
+                            .map_err(sled_error)?;
+                        removed += u64::from(swapped.is_ok());
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "purge skipped an unreadable record"),
                 }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "purge skipped an unreadable record"),
             }
-        }
+            Ok(removed)
+        };
+        let removed = match tokio::runtime::Handle::try_current() {
+            Ok(handle) => handle
+                .spawn_blocking(walk)
+                .await
+                .map_err(|e| Error::store("sled", format!("purge task failed: {e}")))??,
+            Err(_) => walk()?,
+        };
         if removed > 0 {
             self.flush().await?;
         }
