@@ -1,0 +1,306 @@
+//! `cargo bench --bench overhead` (the Redis and Postgres rows are in
+//! `cargo run --release --features postgres,redis --example bench`).
+//!
+//! Each group puts idem next to the floor of the same work (and the direct call), so
+//! every report shows the ratio measured in one run:
+//!
+//! - `key_derivation/<size>`: the floor (JSON streamed into SHA-256, hex) and idem's key
+//!   derivation, for 100 B, 10 KiB and 1 MiB inputs;
+//! - `hit`: the direct call, then for memory and sled the floor (key + lookup + decode)
+//!   and an idempotent hit;
+//! - `sled_miss/<tasks>`: the floor (two insert + flush) and a durable miss, with 1, 8
+//!   and 64 calls in flight (time per call);
+//! - `sled_hit_by_size/<records>`: a hit with 10³, 10⁵ and 10⁶ records stored;
+//! - `sled_purge/<records>`: purging that many expired records;
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use idem::{idempotent, Error, MemoryStore, Run, SledStore};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SendEmail {
+    to: String,
+    cc: Vec<String>,
+    subject: String,
+    body: String,
+    tags: HashMap<String, String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct MessageId {
+    id: String,
+    provider: String,
+    accepted_at: u64,
+    queue: String,
+}
+
+fn email(n: u64, body_len: usize) -> SendEmail {
+    let mut tags = HashMap::new();
+    tags.insert("campaign".to_string(), "winter-sale".to_string());
+    tags.insert("n".to_string(), format!("{n:07}"));
+    SendEmail {
+        to: "ada.lovelace@example.com".into(),
+        cc: vec!["charles.babbage@example.com".into()],
+        subject: "Your order #4711 has shipped today".into(),
+        body: "x".repeat(body_len),
+        tags,
+    }
+}
+
+fn message_id() -> MessageId {
+    MessageId {
+        id: "msg_01HZX3V6Q8R1N4KJ7T2W9Y5B0C".into(),
+        provider: "mailer-eu-1".into(),
+        accepted_at: 1_764_681_600_000,
+        queue: "transaction".into(),
+    }
+}
+
+#[idempotent(name = "send_email")]
+async fn send_email(run: &Run, input: &SendEmail) -> Result<MessageId, Error> {
+    let _ = input;
+    Ok(message_id())
+}
+
+struct HashWriter(Sha256);
+impl Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The floor of key derivation: JSON streamed into SHA-256, hex into a stack buffer.
+fn floor_key(input: &SendEmail) -> [u8; 64] {
+    let mut h = HashWriter(Sha256::new());
+    serde_json::to_writer(&mut h, input).unwrap();
+    let digest = h.0.finalize();
+    let mut hex = [0u8; 64];
+    for (i, b) in digest.iter().enumerate() {
+        hex[2 * i] = b"0123456789abcdef"[usize::from(b >> 4)];
+        hex[2 * i + 1] = b"0123456789abcdef"[usize::from(b & 15)];
+    }
+    hex
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Time per call of `iters` sequential calls of `op`, inside the runtime.
+fn per_iter<F: std::future::Future>(
+    rt: &tokio::runtime::Runtime,
+    iters: u64,
+    mut op: impl FnMut(u64) -> F,
+) -> Duration {
+    rt.block_on(async {
+        let t = Instant::now();
+        for i in 0..iters {
+            black_box(op(i).await);
+        }
+        t.elapsed()
+    })
+}
+
+fn key_derivation(c: &mut Criterion) {
+    let run = Run::new("bench").with_store(MemoryStore::new());
+    let mut group = c.benchmark_group("key_derivation");
+    for (label, size) in [("100B", 0usize), ("10KiB", 10 << 10), ("1MiB", 1 << 20)] {
+        let input = email(0, size);
+        let bytes = serde_json::to_vec(&input).unwrap().len();
+        group.throughput(Throughput::Bytes(bytes as u64));
+        group.bench_with_input(BenchmarkId::new("floor", label), &input, |b, input| {
+            b.iter(|| floor_key(black_box(input)))
+        });
+        group.bench_with_input(BenchmarkId::new("idem", label), &input, |b, input| {
+            b.iter(|| {
+                idem::Call::from_args(
+                    Some(&run),
+                    "send_email",
+                    idem::Options::new(),
+                    &[black_box(input) as &dyn idem::__private::KeyInput],
+                    None,
+                )
+                .unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
+fn hit(c: &mut Criterion) {
+    let rt = runtime();
+    let input = email(0, 333);
+    let mut group = c.benchmark_group("hit");
+    group.bench_function("direct call", |b| b.iter(|| black_box(message_id())));
+
+    let mut map: HashMap<[u8; 64], Vec<u8>> = HashMap::new();
+    map.insert(floor_key(&input), serde_json::to_vec(&message_id()).unwrap());
+    group.bench_function("memory floor", |b| {
+        b.iter(|| serde_json::from_slice::<MessageId>(&map[&floor_key(&input)]).unwrap())
+    });
+    let memory = Run::new("bench").with_store(MemoryStore::new());
+    rt.block_on(send_email(&memory, &input)).unwrap();
+    group.bench_function("memory idem", |b| {
+        b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&memory, &input)))
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let raw = sled::open(dir.path().join("floor")).unwrap();
+    raw.insert(floor_key(&input), serde_json::to_vec(&message_id()).unwrap())
+        .unwrap();
+    group.bench_function("sled floor", |b| {
+        b.iter(|| {
+            let bytes = raw.get(floor_key(&input)).unwrap().unwrap();
+            serde_json::from_slice::<MessageId>(&bytes).unwrap()
+        })
+    });
+    let sled = Run::new("bench").with_store(SledStore::open(dir.path().join("idem")).unwrap());
+    rt.block_on(send_email(&sled, &input)).unwrap();
+    group.bench_function("sled idem", |b| {
+        b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&sled, &input)))
+    });
+    group.finish();
+}
+
+fn sled_miss(c: &mut Criterion) {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let raw = sled::open(dir.path().join("floor")).unwrap();
+    let run = Run::new("bench").with_store(SledStore::open(dir.path().join("idem")).unwrap());
+    let mut group = c.benchmark_group("sled_miss");
+    group.sample_size(10);
+    let mut k = 0u64;
+    group.bench_function("floor/two flushes", |b| {
+        b.iter(|| {
+            k += 1;
+            raw.insert(k.to_be_bytes(), &b"claim"[..]).unwrap();
+            raw.flush().unwrap();
+            raw.insert(k.to_be_bytes(), &b"result"[..]).unwrap();
+            raw.flush().unwrap();
+        })
+    });
+    let mut next = 0u64;
+    for tasks in [1u64, 8, 64] {
+        group.bench_function(BenchmarkId::new("idem", tasks), |b| {
+            b.iter_custom(|iters| {
+                let base = next;
+                next += iters + tasks;
+                rt.block_on(async {
+                    let t = Instant::now();
+                    let handles: Vec<_> = (0..tasks)
+                        .map(|w| {
+                            let run = run.clone();
+                            tokio::spawn(async move {
+                                let mut i = w;
+                                while i < iters {
+                                    send_email(&run, &email(base + i, 333)).await.unwrap();
+                                    i += tasks;
+                                }
+                            })
+                        })
+                        .collect();
+                    for h in handles {
+                        h.await.unwrap();
+                    }
+                    t.elapsed()
+                })
+            })
+        });
+    }
+    group.finish();
+}
+
+/// A sled store holding `records` completed records (written directly, for speed),
+/// expiring after `ttl`.
+fn filled_store(dir: &std::path::Path, records: u64, ttl: Duration) -> SledStore {
+    {
+        let db = sled::open(dir).unwrap();
+        let tree = db.open_tree(SledStore::TREE).unwrap();
+        let now = idem::record::Timestamp::now();
+        let result = serde_json::to_vec(&message_id()).unwrap();
+        let run = Run::new("bench-size").with_store(MemoryStore::new());
+        let mut batch = sled::Batch::default();
+        for i in 0..records {
+            let call = idem::Call::new(Some(&run), "send_email", idem::Options::new(), &[&email(i, 333)])
+                .unwrap();
+            let record = idem::Record {
+                fingerprint: *call.fingerprint(),
+                created_at: now,
+                expires_at: now.after(ttl),
+                state: idem::State::Completed {
+                    result: result.clone(),
+                },
+            };
+            batch.insert(call.key().as_str(), record.encode());
+            if i % 10_000 == 9_999 {
+                tree.apply_batch(std::mem::take(&mut batch)).unwrap();
+            }
+        }
+        tree.apply_batch(batch).unwrap();
+        db.flush().unwrap();
+    }
+    SledStore::open(dir).unwrap()
+}
+
+fn sled_hit_by_size(c: &mut Criterion) {
+    let rt = runtime();
+    let mut group = c.benchmark_group("sled_hit_by_size");
+    for records in [1_000u64, 100_000, 1_000_000] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = filled_store(dir.path(), records, Duration::from_secs(3600));
+        let run = Run::new("bench-size").with_store(store);
+        let probe = email(records / 2, 333);
+        group.bench_function(BenchmarkId::from_parameter(records), |b| {
+            b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&run, &probe)))
+        });
+    }
+    group.finish();
+}
+
+fn sled_purge(c: &mut Criterion) {
+    let rt = runtime();
+    let mut group = c.benchmark_group("sled_purge");
+    group.sample_size(10);
+    for records in [100_000u64, 1_000_000] {
+        group.bench_function(BenchmarkId::from_parameter(records), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let dir = tempfile::tempdir().unwrap();
+                    let store = filled_store(dir.path(), records, Duration::from_millis(1));
+                    std::thread::sleep(Duration::from_millis(5));
+                    let t = Instant::now();
+                    let removed = rt.block_on(idem::Store::purge_expired(&store)).unwrap();
+                    total += t.elapsed();
+                    assert_eq!(removed, records);
+                }
+                total
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    key_derivation,
+    hit,
+    sled_miss,
+    sled_hit_by_size,
+    sled_purge
+);
+criterion_main!(benches);
