@@ -5,7 +5,7 @@
 //! Maps and structs are the only places that buffer: their entries are written in
 //! place, then sorted by key and rewritten. Everything else streams.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
 use serde::ser::{self, Error as _, Impossible, Serialize};
@@ -22,6 +22,38 @@ pub(crate) fn write<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Resu
 
 struct Canonical<'a> {
     out: &'a mut Vec<u8>,
+}
+
+/// How deep arrays and objects may nest. Deeper input is an error rather than a stack
+/// overflow (serde_json's parser stops at the same depth).
+pub(crate) const MAX_DEPTH: u32 = 128;
+
+thread_local! {
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// One level of nesting, given back when dropped (also when serialization fails).
+struct Depth;
+
+impl Depth {
+    fn enter() -> Result<Depth, Error> {
+        DEPTH.with(|d| {
+            if d.get() >= MAX_DEPTH {
+                Err(Error::custom(format!(
+                    "input nested deeper than {MAX_DEPTH} levels"
+                )))
+            } else {
+                d.set(d.get() + 1);
+                Ok(Depth)
+            }
+        })
+    }
+}
+
+impl Drop for Depth {
+    fn drop(&mut self) {
+        DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
 }
 
 fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), Error> {
@@ -174,6 +206,7 @@ impl<'a> ser::Serializer for Canonical<'a> {
         variant: &'static str,
         value: &T,
     ) -> Result<(), Error> {
+        let _depth = Depth::enter()?;
         open_variant(self.out, variant)?;
         value.serialize(Canonical {
             out: &mut *self.out,
@@ -182,11 +215,13 @@ impl<'a> ser::Serializer for Canonical<'a> {
         Ok(())
     }
     fn serialize_seq(self, _: Option<usize>) -> Result<Seq<'a>, Error> {
+        let depth = Depth::enter()?;
         self.out.push(b'[');
         Ok(Seq {
             out: self.out,
             first: true,
             close_variant: false,
+            _depth: depth,
         })
     }
     fn serialize_tuple(self, len: usize) -> Result<Seq<'a>, Error> {
@@ -202,12 +237,14 @@ impl<'a> ser::Serializer for Canonical<'a> {
         variant: &'static str,
         _: usize,
     ) -> Result<Seq<'a>, Error> {
+        let depth = Depth::enter()?;
         open_variant(self.out, variant)?;
         self.out.push(b'[');
         Ok(Seq {
             out: self.out,
             first: true,
             close_variant: true,
+            _depth: depth,
         })
     }
     fn serialize_map(self, _: Option<usize>) -> Result<Map<'a>, Error> {
@@ -233,6 +270,7 @@ struct Seq<'a> {
     out: &'a mut Vec<u8>,
     first: bool,
     close_variant: bool,
+    _depth: Depth,
 }
 
 impl Seq<'_> {
@@ -306,6 +344,7 @@ impl ser::SerializeTupleVariant for Seq<'_> {
 /// on top of their parent's and are gone before the parent's next entry.
 struct Map<'a> {
     out: &'a mut Vec<u8>,
+    _depth: Depth,
     start: usize,
     /// Where this map's entries begin on the thread's entry stack.
     base: usize,
@@ -328,10 +367,12 @@ fn entries<T>(f: impl FnOnce(&mut Vec<Entry>) -> T) -> Result<T, Error> {
 
 impl<'a> Map<'a> {
     fn new(out: &'a mut Vec<u8>, close_variant: bool) -> Result<Self, Error> {
+        let depth = Depth::enter()?;
         let start = out.len();
         let base = entries(|e| e.len())?;
         Ok(Map {
             out,
+            _depth: depth,
             start,
             base,
             key: None,

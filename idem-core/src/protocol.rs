@@ -294,10 +294,11 @@ impl Drop for BlockingGuard {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 /// For stores that run on tokio: an error if the current thread is blocked in a sync
 /// tool where tokio cannot make progress (no runtime, or a current-thread runtime whose
 /// only thread is the blocked one). Waiting there would never end.
-pub fn check_tokio_reachable(store: &'static str) -> Result<(), Error> {
+pub(crate) fn check_tokio_reachable(store: &'static str) -> Result<(), Error> {
     if !BLOCKING.with(|b| b.get()) {
         return Ok(());
     }

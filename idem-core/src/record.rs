@@ -252,6 +252,25 @@ impl Record {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
+            let _ = Record::decode("k", &bytes);
+            let _ = Record::decode_expiry("k", &bytes);
+        }
+
+        #[test]
+        fn decoding_damaged_records_never_panics(cut in 0usize..80, flip in 0usize..80, bit in 0u8..8) {
+            let mut bytes = sample(State::InProgress { token: Token(7), lease_until: Timestamp(9) }).encode();
+            if flip < bytes.len() {
+                bytes[flip] ^= 1 << bit;
+            }
+            bytes.truncate(cut);
+            let _ = Record::decode("k", &bytes);
+        }
+    }
 
     fn sample(state: State) -> Record {
         Record {

@@ -455,3 +455,44 @@ async fn concurrent_duplicates_execute_once_on_memory_and_sled() {
         assert_eq!(record.fingerprint, Fingerprint::of("t", &input).unwrap());
     }
 }
+
+/// Nests `0` arrays deep, without building the structure in memory.
+struct Nested(u32);
+
+impl Serialize for Nested {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        if self.0 == 0 {
+            return s.serialize_u8(0);
+        }
+        let mut seq = s.serialize_seq(Some(1))?;
+        seq.serialize_element(&Nested(self.0 - 1))?;
+        seq.end()
+    }
+}
+
+#[tokio::test]
+async fn absurdly_nested_input_is_a_typed_error_not_a_stack_overflow() {
+    let run = memory_run("run-deep");
+    let ran = AtomicUsize::new(0);
+    let err = execute::<Result<(), Error>, ReleaseErrors, _>(
+        Call::new(Some(&run), "tool", Options::new(), &Nested(1_000_000)),
+        async {
+            ran.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::Input { .. }), "{err}");
+    assert!(err.to_string().contains("nested deeper"), "{err}");
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    // Reasonable nesting still works, and the depth count recovered after the error.
+    execute::<Result<(), Error>, ReleaseErrors, _>(
+        Call::new(Some(&run), "tool", Options::new(), &Nested(100)),
+        async { Ok(()) },
+    )
+    .await
+    .unwrap()
+    .unwrap();
+}
