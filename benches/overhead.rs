@@ -18,7 +18,9 @@ use std::hint::black_box;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{
+    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
+};
 use idem::{idempotent, Error, MemoryStore, Run, SledStore};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -148,7 +150,10 @@ fn hit(c: &mut Criterion) {
     group.bench_function("direct call", |b| b.iter(|| black_box(message_id())));
 
     let mut map: HashMap<[u8; 64], Vec<u8>> = HashMap::new();
-    map.insert(floor_key(&input), serde_json::to_vec(&message_id()).unwrap());
+    map.insert(
+        floor_key(&input),
+        serde_json::to_vec(&message_id()).unwrap(),
+    );
     group.bench_function("memory floor", |b| {
         b.iter(|| serde_json::from_slice::<MessageId>(&map[&floor_key(&input)]).unwrap())
     });
@@ -160,8 +165,11 @@ fn hit(c: &mut Criterion) {
 
     let dir = tempfile::tempdir().unwrap();
     let raw = sled::open(dir.path().join("floor")).unwrap();
-    raw.insert(floor_key(&input), serde_json::to_vec(&message_id()).unwrap())
-        .unwrap();
+    raw.insert(
+        floor_key(&input),
+        serde_json::to_vec(&message_id()).unwrap(),
+    )
+    .unwrap();
     group.bench_function("sled floor", |b| {
         b.iter(|| {
             let bytes = raw.get(floor_key(&input)).unwrap().unwrap();
@@ -235,8 +243,13 @@ fn filled_store(dir: &std::path::Path, records: u64, ttl: Duration) -> SledStore
         let run = Run::new("bench-size").with_store(MemoryStore::new());
         let mut batch = sled::Batch::default();
         for i in 0..records {
-            let call = idem::Call::new(Some(&run), "send_email", idem::Options::new(), &[&email(i, 333)])
-                .unwrap();
+            let call = idem::Call::new(
+                Some(&run),
+                "send_email",
+                idem::Options::new(),
+                &[&email(i, 333)],
+            )
+            .unwrap();
             let record = idem::Record {
                 fingerprint: *call.fingerprint(),
                 created_at: now,
@@ -274,7 +287,8 @@ fn sled_hit_by_size(c: &mut Criterion) {
 fn sled_purge(c: &mut Criterion) {
     let rt = runtime();
     let mut group = c.benchmark_group("sled_purge");
-    group.sample_size(10);
+    // One purge per sample: each needs a freshly filled store.
+    group.sample_size(10).sampling_mode(SamplingMode::Flat);
     for records in [100_000u64, 1_000_000] {
         group.bench_function(BenchmarkId::from_parameter(records), |b| {
             b.iter_custom(|iters| {

@@ -7,7 +7,7 @@
 //!
 //! sled allows one open handle per directory. Inside a process, every
 //! [`SledStore::open`] of the same directory shares one handle; another process that
-//! opens a directory in use gets an [`Error::Store`] at once (never a hang).
+//! opens a directory in use gets an [`Error::Store`] within 1.5 seconds (never a hang).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -45,6 +45,27 @@ struct Inner {
 /// Open databases of this process, by canonical path.
 static OPEN: Mutex<Option<HashMap<PathBuf, Weak<Inner>>>> = Mutex::new(None);
 
+/// How long `open` keeps trying a directory whose lock is held. A database this
+/// process just closed releases its lock from sled's background thread a moment later;
+/// a directory another process holds stays locked, and `open` gives up after this.
+const LOCK_PATIENCE: Duration = Duration::from_millis(1500);
+
+fn open_db(path: &Path) -> Result<::sled::Db, Error> {
+    let deadline = std::time::Instant::now() + LOCK_PATIENCE;
+    loop {
+        match ::sled::Config::new().path(path).open() {
+            Ok(db) => return Ok(db),
+            Err(::sled::Error::Io(e))
+                if e.to_string().contains("could not acquire lock")
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(sled_error(e)),
+        }
+    }
+}
+
 fn sled_error(e: ::sled::Error) -> Error {
     Error::store("sled", e)
 }
@@ -78,10 +99,7 @@ impl SledStore {
         if let Some(inner) = open.get(&path).and_then(Weak::upgrade) {
             return Ok(SledStore { inner });
         }
-        let db = ::sled::Config::new()
-            .path(&path)
-            .open()
-            .map_err(sled_error)?;
+        let db = open_db(&path)?;
         let tree = db.open_tree(Self::TREE).map_err(sled_error)?;
         tracing::debug!(path = %path.display(), "opened sled store");
         let inner = Arc::new(Inner {
