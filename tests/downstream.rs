@@ -1,0 +1,177 @@
+//! Exactly once through a real downstream API: the tool forwards `idem::current_key()`
+//! as the provider's `Idempotency-Key`. The tool's process is killed (SIGKILL) at many
+//! points, including after the provider charged and before idem stored the result; the
+//! agent retries in a new process; the provider must have charged each order once.
+//!
+//! `IDEM_KILL_POINTS=50 cargo test --test downstream -- --nocapture` runs a longer
+//! campaign and prints where the kills landed.
+
+#[path = "../examples/support/provider.rs"]
+mod provider;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use idem::{idempotent, Run, SledStore};
+use provider::{Charge, ChargeRequest, Provider};
+
+#[derive(Debug, thiserror::Error)]
+enum PaymentError {
+    #[error(transparent)]
+    Idem(#[from] idem::Error),
+    #[error("payment provider: {0}")]
+    Provider(String),
+}
+
+/// The payment tool: charges through the provider, forwarding idem's key, then does
+/// some slow bookkeeping (the window in which a crash loses idem's own record).
+#[idempotent(name = "charge_card", lease = "300ms", skip = [http, base, bookkeeping_ms])]
+async fn charge_card(
+    run: &Run,
+    input: ChargeRequest,
+    http: &reqwest::Client,
+    base: &str,
+    bookkeeping_ms: u64,
+) -> Result<Charge, PaymentError> {
+    let key = idem::current_key().ok_or_else(|| PaymentError::Provider("no key".into()))?;
+    let response = http
+        .post(format!("{base}/v1/charges"))
+        .header("Idempotency-Key", key.as_str())
+        .json(&input)
+        .send()
+        .await
+        .map_err(|e| PaymentError::Provider(e.to_string()))?;
+    if !response.status().is_success() {
+        let text = response.text().await.unwrap_or_default();
+        return Err(PaymentError::Provider(text));
+    }
+    let charge: Charge = response
+        .json()
+        .await
+        .map_err(|e| PaymentError::Provider(e.to_string()))?;
+    tokio::time::sleep(Duration::from_millis(bookkeeping_ms)).await;
+    Ok(charge)
+}
+
+fn order(i: u64) -> ChargeRequest {
+    ChargeRequest {
+        customer: format!("cus_{i}"),
+        amount_cents: 1000 + i,
+        currency: "eur".into(),
+    }
+}
+
+const ROLE: &str = "IDEM_TEST_PAY_ROLE";
+const URL: &str = "IDEM_TEST_PAY_URL";
+const DIR: &str = "IDEM_TEST_PAY_DIR";
+const ORDER: &str = "IDEM_TEST_PAY_ORDER";
+
+/// The tool process. `charge`: one attempt (it may be killed at any point). `retry`: the
+/// agent's retry in a new process, until it gets an answer, written to `answer`.
+#[test]
+#[ignore = "tool process of the downstream tests; started by them"]
+fn payment_worker() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let url = std::env::var(URL).unwrap();
+    let dir = PathBuf::from(std::env::var(DIR).unwrap());
+    let i: u64 = std::env::var(ORDER).unwrap().parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let run =
+            Run::new(format!("order-{i}")).with_store(SledStore::open(dir.join("store")).unwrap());
+        let http = reqwest::Client::new();
+        match role.as_str() {
+            "charge" => {
+                let _ = charge_card(&run, order(i), &http, &url, 80).await;
+            }
+            "retry" => {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let charge = loop {
+                    match charge_card(&run, order(i), &http, &url, 0).await {
+                        Ok(charge) => break charge,
+                        Err(e) => assert!(Instant::now() < deadline, "retry never succeeded: {e}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                };
+                std::fs::write(dir.join("answer"), charge.id).unwrap();
+            }
+            other => panic!("unknown role {other}"),
+        }
+    });
+}
+
+fn spawn(role: &str, url: &str, dir: &Path, i: u64) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "payment_worker", "--quiet"])
+        .env(ROLE, role)
+        .env(URL, url)
+        .env(DIR, dir)
+        .env(ORDER, i.to_string())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_charge_the_retry_is_replayed_by_the_provider() {
+    let provider = Provider::start().await.unwrap();
+    let kill_points: u64 = std::env::var("IDEM_KILL_POINTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(20);
+    let (mut before_charge, mut in_window, mut after_finish) = (0, 0, 0);
+    for i in 0..kill_points {
+        let dir = tempfile::tempdir().unwrap();
+        let charged_before = provider.charges().len();
+        let mut first = spawn("charge", &provider.url(), dir.path(), i);
+        // Kill points spread over the whole attempt: before the claim, during the
+        // request, after the charge during bookkeeping, after the result is stored.
+        tokio::time::sleep(Duration::from_millis((i * 37) % 180)).await;
+        let finished = first.try_wait().unwrap().is_some();
+        let _ = first.kill();
+        first.wait().unwrap();
+        let charged_by_first = provider.charges().len() - charged_before;
+        match (charged_by_first, finished) {
+            (0, _) => before_charge += 1,
+            (_, false) => in_window += 1,
+            (_, true) => after_finish += 1,
+        }
+
+        // The agent retries in a new process, with the same run id.
+        let mut retry = spawn("retry", &provider.url(), dir.path(), i);
+        let status = tokio::task::spawn_blocking(move || retry.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(status.success(), "order {i}: the retry failed");
+        let answer = std::fs::read_to_string(dir.path().join("answer")).unwrap();
+
+        let charges = &provider.charges()[charged_before..];
+        assert_eq!(
+            charges.len(),
+            1,
+            "order {i}: charged {} times",
+            charges.len()
+        );
+        assert_eq!(
+            answer, charges[0].id,
+            "order {i}: the agent got another charge"
+        );
+    }
+    println!(
+        "{kill_points} kill points: {before_charge} before the charge, {in_window} after the charge \
+         and before idem stored the result, {after_finish} after the call finished; \
+         charges made: {} for {kill_points} orders",
+        provider.charges().len()
+    );
+    assert_eq!(provider.charges().len() as u64, kill_points);
+    assert!(
+        in_window > 0,
+        "no kill landed in the window this test is about"
+    );
+}
