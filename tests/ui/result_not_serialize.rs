@@ -1,3 +1,4 @@
+#[derive(serde::Deserialize)]
 struct Receipt;
 
 #[idem::idempotent]
