@@ -57,7 +57,8 @@
 //!
 //! Async and sync functions, methods (`&self`, `&mut self`; the receiver is never part
 //! of the key), generic functions, `impl Trait` and reference arguments (serialized, not
-//! moved). A `&Run` or `Run` argument is the call's run (not part of the input);
+//! moved), destructured arguments (`Parameters(input): Parameters<T>`: the names they bind
+//! are the input). A `&Run` or `Run` argument is the call's run (not part of the input);
 //! otherwise the ambient run of [`Run::scope`] / [`Run::sync_scope`] is used, and with
 //! neither the call is [`Error::NoRun`]. The function must return `Result<T, E>` with
 //! `T: Serialize + DeserializeOwned` and `E: From<idem::Error>` (or `map_error`).

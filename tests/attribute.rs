@@ -399,3 +399,29 @@ async fn crate_option_points_generated_code_elsewhere() {
         3
     );
 }
+
+/// A wrapper like rmcp's `Parameters<T>`, destructured in the signature.
+#[derive(Serialize)]
+struct Parameters<T>(T);
+
+#[idempotent(skip = [counter])]
+async fn destructured(
+    Parameters(input): Parameters<SendEmail>,
+    (a, b): (u8, u8),
+    counter: &Counter,
+) -> Result<String, Error> {
+    counter.bump();
+    Ok(format!("{} {a} {b}", input.to))
+}
+
+#[tokio::test]
+async fn destructured_arguments_are_keyed_by_what_they_bind() {
+    let run = run("patterns");
+    let counter = Counter::default();
+    let call = |to: &str, a: u8| destructured(Parameters(email(to, "s")), (a, 2), &counter);
+    let first = run.scope(call("ada@x", 1)).await.unwrap();
+    assert_eq!(run.scope(call("ada@x", 1)).await.unwrap(), first);
+    run.scope(call("bob@x", 1)).await.unwrap();
+    run.scope(call("ada@x", 9)).await.unwrap();
+    assert_eq!(counter.get(), 3);
+}

@@ -173,11 +173,20 @@ fn params(func: &ItemFn, args: &Args) -> syn::Result<Vec<Param>> {
         let FnArg::Typed(typed) = arg else { continue }; // the receiver is never input
         let ident = match &*typed.pat {
             Pat::Ident(p) => p.ident.clone(),
-            other => {
-                return Err(syn::Error::new_spanned(
-                    other,
-                    "`#[idempotent]` needs a plain name for each argument (`name: Type`), to put it in the key",
-                ))
+            // A destructuring pattern (`Parameters(input): Parameters<T>`): the names it
+            // binds are the input.
+            pattern => {
+                let mut bound = Vec::new();
+                bindings(pattern, &mut bound)?;
+                for ident in bound {
+                    let role = if args.skip.contains(&ident) {
+                        Role::Skipped
+                    } else {
+                        Role::Input
+                    };
+                    params.push(Param { ident, role });
+                }
+                continue;
             }
         };
         let role = if args.skip.contains(&ident) {
@@ -229,6 +238,36 @@ fn params(func: &ItemFn, args: &Args) -> syn::Result<Vec<Param>> {
         }
     }
     Ok(params)
+}
+
+/// The names a destructuring argument pattern binds. A `_` (or `..`) hides part of an
+/// argument from the key, which could make two different calls share one: an error.
+fn bindings(pattern: &Pat, out: &mut Vec<Ident>) -> syn::Result<()> {
+    let hidden = |p: &dyn quote::ToTokens| {
+        Err(syn::Error::new_spanned(
+            p,
+            "`#[idempotent]` needs every part of an argument in the key: name it (`_unused: T` \
+             is fine), or give the argument a name and list it in `skip = [...]`",
+        ))
+    };
+    match pattern {
+        Pat::Ident(p) => {
+            out.push(p.ident.clone());
+            Ok(())
+        }
+        Pat::Tuple(t) => t.elems.iter().try_for_each(|p| bindings(p, out)),
+        Pat::TupleStruct(t) => t.elems.iter().try_for_each(|p| bindings(p, out)),
+        Pat::Struct(s) => {
+            if let Some(rest) = &s.rest {
+                return hidden(rest);
+            }
+            s.fields.iter().try_for_each(|f| bindings(&f.pat, out))
+        }
+        Pat::Reference(r) => bindings(&r.pat, out),
+        Pat::Paren(p) => bindings(&p.pat, out),
+        Pat::Type(t) => bindings(&t.pat, out),
+        other => hidden(other),
+    }
 }
 
 /// `Some(by_ref)` when `ty` is `Run`, `&Run` or a path ending in `Run` (`idem::Run`).
