@@ -13,86 +13,18 @@
 //! - `sled_hit_by_size/<records>`: a hit with 10³, 10⁵ and 10⁶ records stored;
 //! - `sled_purge/<records>`: purging that many expired records;
 
+#[path = "../examples/support/scenario.rs"]
+mod scenario;
+
 use std::collections::HashMap;
 use std::hint::black_box;
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use idem::{idempotent, Error, MemoryStore, Run, SledStore};
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct SendEmail {
-    to: String,
-    cc: Vec<String>,
-    subject: String,
-    body: String,
-    tags: HashMap<String, String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct MessageId {
-    id: String,
-    provider: String,
-    accepted_at: u64,
-    queue: String,
-}
-
-fn email(n: u64, body_len: usize) -> SendEmail {
-    let mut tags = HashMap::new();
-    tags.insert("campaign".to_string(), "winter-sale".to_string());
-    tags.insert("n".to_string(), format!("{n:07}"));
-    SendEmail {
-        to: "ada.lovelace@example.com".into(),
-        cc: vec!["charles.babbage@example.com".into()],
-        subject: "Your order #4711 has shipped today".into(),
-        body: "x".repeat(body_len),
-        tags,
-    }
-}
-
-fn message_id() -> MessageId {
-    MessageId {
-        id: "msg_01HZX3V6Q8R1N4KJ7T2W9Y5B0C".into(),
-        provider: "mailer-eu-1".into(),
-        accepted_at: 1_764_681_600_000,
-        queue: "transaction".into(),
-    }
-}
-
-#[idempotent(name = "send_email")]
-async fn send_email(run: &Run, input: &SendEmail) -> Result<MessageId, Error> {
-    let _ = input;
-    Ok(message_id())
-}
-
-struct HashWriter(Sha256);
-impl Write for HashWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// The floor of key derivation: JSON streamed into SHA-256, hex into a stack buffer.
-fn floor_key(input: &SendEmail) -> [u8; 64] {
-    let mut h = HashWriter(Sha256::new());
-    serde_json::to_writer(&mut h, input).unwrap();
-    let digest = h.0.finalize();
-    let mut hex = [0u8; 64];
-    for (i, b) in digest.iter().enumerate() {
-        hex[2 * i] = b"0123456789abcdef"[usize::from(b >> 4)];
-        hex[2 * i + 1] = b"0123456789abcdef"[usize::from(b & 15)];
-    }
-    hex
-}
+use idem::{MemoryStore, Run, SledStore};
+use scenario::{email, floor_key, message_id, send_email, MessageId, BODY};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -145,9 +77,11 @@ fn key_derivation(c: &mut Criterion) {
 
 fn hit(c: &mut Criterion) {
     let rt = runtime();
-    let input = email(0, 333);
+    let input = email(0, BODY);
     let mut group = c.benchmark_group("hit");
-    group.bench_function("direct call", |b| b.iter(|| black_box(message_id())));
+    group.bench_function("direct call", |b| {
+        b.iter(|| black_box(scenario::send(black_box(&email(0, BODY)))))
+    });
 
     let mut map: HashMap<[u8; 64], Vec<u8>> = HashMap::new();
     map.insert(
@@ -215,7 +149,7 @@ fn sled_miss(c: &mut Criterion) {
                             tokio::spawn(async move {
                                 let mut i = w;
                                 while i < iters {
-                                    send_email(&run, &email(base + i, 333)).await.unwrap();
+                                    send_email(&run, &email(base + i, BODY)).await.unwrap();
                                     i += tasks;
                                 }
                             })
@@ -247,7 +181,7 @@ fn filled_store(dir: &std::path::Path, records: u64, ttl: Duration) -> SledStore
                 Some(&run),
                 "send_email",
                 idem::Options::new(),
-                &[&email(i, 333)],
+                &[&email(i, BODY)],
             )
             .unwrap();
             let record = idem::Record {
@@ -276,7 +210,7 @@ fn sled_hit_by_size(c: &mut Criterion) {
         let dir = tempfile::tempdir().unwrap();
         let store = filled_store(dir.path(), records, Duration::from_secs(3600));
         let run = Run::new("bench-size").with_store(store);
-        let probe = email(records / 2, 333);
+        let probe = email(records / 2, BODY);
         group.bench_function(BenchmarkId::from_parameter(records), |b| {
             b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&run, &probe)))
         });

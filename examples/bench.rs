@@ -12,63 +12,15 @@
 //! compare like with like on a noisy machine. The input is a 513-byte email and the
 //! result a 114-byte message id, as JSON. Takes well under a minute.
 
+#[path = "support/scenario.rs"]
+mod scenario;
+
 use std::collections::HashMap;
 use std::future::Future;
-use std::io::Write;
 use std::time::{Duration, Instant};
 
-use idem::{idempotent, Error, MemoryStore, Run, SledStore};
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct SendEmail {
-    to: String,
-    cc: Vec<String>,
-    subject: String,
-    body: String,
-    tags: HashMap<String, String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct MessageId {
-    id: String,
-    provider: String,
-    accepted_at: u64,
-    queue: String,
-}
-
-fn email(n: u64) -> SendEmail {
-    let mut tags = HashMap::new();
-    tags.insert("campaign".to_string(), "winter-sale".to_string());
-    tags.insert("n".to_string(), format!("{n:07}"));
-    SendEmail {
-        to: "ada.lovelace@example.com".into(),
-        cc: vec!["charles.babbage@example.com".into()],
-        subject: "Your order #4711 has shipped today".into(),
-        body: "Hello Ada, your order is on its way. ".repeat(9),
-        tags,
-    }
-}
-
-fn message_id() -> MessageId {
-    MessageId {
-        id: "msg_01HZX3V6Q8R1N4KJ7T2W9Y5B0C".into(),
-        provider: "mailer-eu-1".into(),
-        accepted_at: 1_764_681_600_000,
-        queue: "transaction".into(),
-    }
-}
-
-/// The tool body: cheap, so the table shows idem's own cost.
-fn send(_input: &SendEmail) -> MessageId {
-    message_id()
-}
-
-#[idempotent(name = "send_email")]
-async fn send_email(run: &Run, input: &SendEmail) -> Result<MessageId, Error> {
-    Ok(send(input))
-}
+use idem::{MemoryStore, Run, SledStore};
+use scenario::{email, floor_key, message_id, send, send_email, MessageId, BODY};
 
 const BATCHES: usize = 15;
 
@@ -103,30 +55,6 @@ async fn median_async<F: Future>(n: usize, mut op: impl FnMut(u64) -> F) -> Dura
     }
     times.sort();
     times[BATCHES / 2]
-}
-
-struct HashWriter(Sha256);
-impl Write for HashWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// The floor of key derivation: JSON streamed into SHA-256, hex into a stack buffer.
-fn floor_key(input: &SendEmail) -> [u8; 64] {
-    let mut h = HashWriter(Sha256::new());
-    serde_json::to_writer(&mut h, input).unwrap();
-    let digest = h.0.finalize();
-    let mut hex = [0u8; 64];
-    for (i, b) in digest.iter().enumerate() {
-        hex[2 * i] = b"0123456789abcdef"[usize::from(b >> 4)];
-        hex[2 * i + 1] = b"0123456789abcdef"[usize::from(b & 15)];
-    }
-    hex
 }
 
 /// A row: what, its median, and what it is compared with.
@@ -177,7 +105,7 @@ fn main() {
         .build()
         .unwrap();
     let started = Instant::now();
-    let input = email(0);
+    let input = email(0, BODY);
     println!(
         "input {} bytes, result {} bytes (JSON); medians of {BATCHES} batches\n",
         serde_json::to_vec(&input).unwrap().len(),
@@ -285,7 +213,7 @@ fn main() {
                     tokio::spawn(async move {
                         let mut i = w;
                         while i < records {
-                            send_email(&run, &email(i)).await.unwrap();
+                            send_email(&run, &email(i, BODY)).await.unwrap();
                             i += 64;
                         }
                     })
@@ -295,7 +223,7 @@ fn main() {
                 task.await.unwrap();
             }
             let _ = fill;
-            let probe = email(records / 2);
+            let probe = email(records / 2, BODY);
             let hit = median_async(n / 4, |_| send_email(&run, &probe)).await;
             t.row(&format!("sled: hit, {records} records stored"), hit, None);
         }
@@ -312,7 +240,7 @@ fn main() {
         let run = Run::new("bench-sled-miss").with_store(store.clone());
         let serial = median_async(m, |i| {
             let run = run.clone();
-            async move { send_email(&run, &email(1_000_000 + i)).await.unwrap() }
+            async move { send_email(&run, &email(1_000_000 + i, BODY)).await.unwrap() }
         })
         .await;
         t.row(
@@ -328,7 +256,7 @@ fn main() {
                     let run = run.clone();
                     tokio::spawn(async move {
                         for i in 0..per_task {
-                            send_email(&run, &email(10_000_000 * (tasks + 1) + w * 1000 + i))
+                            send_email(&run, &email(10_000_000 * (tasks + 1) + w * 1000 + i, BODY))
                                 .await
                                 .unwrap();
                         }
@@ -365,7 +293,7 @@ mod network {
     use super::*;
 
     #[cfg(feature = "redis")]
-    pub async fn redis(url: &str, input: &SendEmail, t: &mut Table) {
+    pub async fn redis(url: &str, input: &scenario::SendEmail, t: &mut Table) {
         let prefix = format!("idem-bench-{}:", std::process::id());
         let store = idem::RedisStore::builder(url)
             .prefix(&prefix)
@@ -394,7 +322,7 @@ mod network {
         t.row("redis: hit", hit, Some(("one round trip (GET)", rt)));
         let miss = median_async(500, |i| {
             let run = run.clone();
-            async move { send_email(&run, &email(2_000_000 + i)).await.unwrap() }
+            async move { send_email(&run, &email(2_000_000 + i, BODY)).await.unwrap() }
         })
         .await;
         t.row("redis: miss", miss, Some(("one round trip (GET)", rt)));
@@ -408,7 +336,7 @@ mod network {
     }
 
     #[cfg(feature = "postgres")]
-    pub async fn postgres(url: &str, input: &SendEmail, t: &mut Table) {
+    pub async fn postgres(url: &str, input: &scenario::SendEmail, t: &mut Table) {
         let table = format!("idem_bench_{}", std::process::id());
         let store = idem::PostgresStore::builder(url)
             .table(&table)
@@ -468,7 +396,7 @@ mod network {
         );
         let miss = median_async(200, |i| {
             let run = run.clone();
-            async move { send_email(&run, &email(3_000_000 + i)).await.unwrap() }
+            async move { send_email(&run, &email(3_000_000 + i, BODY)).await.unwrap() }
         })
         .await;
         t.row(

@@ -224,6 +224,22 @@ pub fn decide_fenced(
     }
 }
 
+/// Runs a network store's operation within its timeout, failing closed: an
+/// [`Error::Store`] when the server does not answer in time, or when tokio cannot drive
+/// the operation from here at all (a sync tool on the wrong thread).
+#[cfg(any(feature = "postgres", feature = "redis"))]
+pub(crate) async fn bounded<T>(
+    store: &'static str,
+    timeout: Duration,
+    operation: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    crate::protocol::check_tokio_reachable(store)?;
+    match tokio::time::timeout(timeout, operation).await {
+        Ok(result) => result,
+        Err(_) => Err(Error::store(store, format!("no answer within {timeout:?}"))),
+    }
+}
+
 pub mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;

@@ -307,14 +307,7 @@ impl PostgresStore {
         &self,
         f: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        crate::protocol::check_tokio_reachable(STORE)?;
-        match tokio::time::timeout(self.inner.timeout, f).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::store(
-                STORE,
-                format!("no answer within {:?}", self.inner.timeout),
-            )),
-        }
+        crate::store::bounded(STORE, self.inner.timeout, f).await
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, Error> {

@@ -231,14 +231,7 @@ impl RedisStore {
         &self,
         f: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        crate::protocol::check_tokio_reachable(STORE)?;
-        match tokio::time::timeout(self.inner.timeout, f).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::store(
-                STORE,
-                format!("no answer within {:?}", self.inner.timeout),
-            )),
-        }
+        crate::store::bounded(STORE, self.inner.timeout, f).await
     }
 
     /// Runs a script on `key` with `args`.
