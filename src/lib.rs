@@ -43,6 +43,7 @@
 //! | `name = "send_email"` | the tool name in the key | the function's name; `Type::method` for methods |
 //! | `key = [input.to]` | the arguments or fields that form the key; the whole input is still fingerprinted, so the same key with another input is [`Error::PayloadMismatch`] | all arguments |
 //! | `skip = [client]` | arguments that are context, not input (clients, connections) | none |
+//! | `run = ctx.run()` | where the run comes from: an expression giving a `Run`, `&Run` or an `Option` of either (`None`: the ambient run) | a `Run` argument, else the ambient run |
 //! | `map_error = path` | a function `idem::Error -> E`, when `E` has no `From<idem::Error>` | `From::from` |
 //! | `crate = "my::idem"` | where the `idem` crate is, if you re-export it | `::idem` |
 //!
@@ -94,7 +95,7 @@ pub use idem_macros::idempotent;
 pub mod __private {
     pub use idem_core::protocol::{
         execute, execute_blocking, from_idem_error, CacheErrors, Call, KeyInput, ReleaseErrors,
-        ToolOutput,
+        RunSource, ToolOutput,
     };
     pub use idem_core::Options;
 }

@@ -425,3 +425,54 @@ async fn destructured_arguments_are_keyed_by_what_they_bind() {
     run.scope(call("ada@x", 9)).await.unwrap();
     assert_eq!(counter.get(), 3);
 }
+
+/// A request context, as an MCP server or an agent framework passes one: it may carry
+/// the run id in its metadata.
+struct RequestContext {
+    run_id: Option<String>,
+    store: MemoryStore,
+}
+
+impl RequestContext {
+    fn run(&self) -> Option<Run> {
+        let id = self.run_id.as_ref()?;
+        Some(Run::new(id.clone()).with_store(self.store.clone()))
+    }
+}
+
+#[idempotent(run = ctx.run(), skip = [ctx, counter])]
+async fn from_request(to: String, ctx: &RequestContext, counter: &Counter) -> Result<usize, Error> {
+    Ok(counter.bump())
+}
+
+#[tokio::test]
+async fn the_run_can_come_from_a_request_context() {
+    let store = MemoryStore::new();
+    let counter = Counter::default();
+    let ctx = |id: Option<&str>| RequestContext {
+        run_id: id.map(str::to_owned),
+        store: store.clone(),
+    };
+    let a = ctx(Some("run-a"));
+    assert_eq!(from_request("x".into(), &a, &counter).await.unwrap(), 0);
+    assert_eq!(from_request("x".into(), &a, &counter).await.unwrap(), 0);
+    assert_eq!(
+        from_request("x".into(), &ctx(Some("run-b")), &counter)
+            .await
+            .unwrap(),
+        1
+    );
+    // No run id in the request: the ambient run, and without one, `NoRun`.
+    let none = ctx(None);
+    let err = from_request("x".into(), &none, &counter).await.unwrap_err();
+    assert!(matches!(err, Error::NoRun { .. }), "{err}");
+    let ambient = run("ambient");
+    assert_eq!(
+        ambient
+            .scope(from_request("x".into(), &none, &counter))
+            .await
+            .unwrap(),
+        2
+    );
+    assert_eq!(counter.get(), 3);
+}

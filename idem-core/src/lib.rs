@@ -43,7 +43,7 @@ pub use key::{Fingerprint, Key, KeyParts};
 pub use options::{Delivery, OnBusy, Options};
 pub use protocol::{
     execute, execute_blocking, CacheErrors, Call, ErrorPolicy, KeyInput, ReleaseErrors, Replayable,
-    ToolOutput,
+    RunSource, ToolOutput,
 };
 pub use record::{Record, State, Timestamp, Token};
 pub use run::{current_key, default_store, default_store_dir, set_default_store, Run};

@@ -43,6 +43,37 @@ use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::wait::{self, AsyncPause, BlockingPause, Pause};
 use crate::{Error, Fingerprint, Key, KeyParts, Run};
 
+/// Where a call's run comes from, for the attribute's `run = expr` option: a `Run`, a
+/// `&Run`, or an `Option` of either (`None`: use the ambient run).
+pub trait RunSource {
+    /// The run, if this source has one.
+    fn run(&self) -> Option<&Run>;
+}
+
+impl RunSource for Run {
+    fn run(&self) -> Option<&Run> {
+        Some(self)
+    }
+}
+
+impl RunSource for &Run {
+    fn run(&self) -> Option<&Run> {
+        Some(self)
+    }
+}
+
+impl RunSource for Option<Run> {
+    fn run(&self) -> Option<&Run> {
+        self.as_ref()
+    }
+}
+
+impl RunSource for Option<&Run> {
+    fn run(&self) -> Option<&Run> {
+        *self
+    }
+}
+
 /// What a tool function returns: a `Result` whose `Ok` value idem can store.
 #[diagnostic::on_unimplemented(
     message = "an `#[idempotent]` function must return `Result<T, E>`, not `{Self}`",

@@ -26,10 +26,11 @@ pub struct Args {
     pub skip: Vec<Ident>,
     pub krate: Option<Path>,
     pub map_error: Option<Path>,
+    pub run: Option<Expr>,
 }
 
 const OPTIONS: &str = "ttl, lease, wait, fail_fast, at_most_once, cache_errors, name, key, skip, \
-                       map_error, crate";
+                       run, map_error, crate";
 
 impl Parse for Args {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
@@ -96,6 +97,10 @@ impl Parse for Args {
                             "expected a path, like `crate = \"my_crate::idem\"`",
                         )
                     })?);
+                }
+                "run" => {
+                    input.parse::<Token![=]>()?;
+                    args.run = Some(input.parse()?);
                 }
                 "map_error" => {
                     input.parse::<Token![=]>()?;

@@ -80,13 +80,30 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
 
     let options = options(&args, &private);
 
-    let run = match params.iter().find_map(|p| match p.role {
+    let run_param = params.iter().find_map(|p| match p.role {
         Role::Run { by_ref } => Some((&p.ident, by_ref)),
         _ => None,
-    }) {
-        Some((ident, true)) => quote!(::core::option::Option::Some(#ident)),
-        Some((ident, false)) => quote!(::core::option::Option::Some(&#ident)),
-        None => quote!(::core::option::Option::None),
+    });
+    // `run = expr`: where the run comes from (a request's metadata, a context argument);
+    // its value is a `Run`, a `&Run` or an `Option` of either, `None` meaning the ambient
+    // run.
+    let run_source = match (&args.run, run_param) {
+        (Some(expr), Some((ident, _))) => {
+            let mut err = syn::Error::new_spanned(
+                expr,
+                "`run = ...` and a `Run` argument both name the run; keep one",
+            );
+            err.combine(syn::Error::new_spanned(ident, "the `Run` argument"));
+            return Err(err);
+        }
+        (Some(expr), None) => Some(quote_spanned!(expr.span()=> let __idem_run = #expr;)),
+        (None, _) => None,
+    };
+    let run = match (run_source.is_some(), run_param) {
+        (true, _) => quote!(#private::RunSource::run(&__idem_run)),
+        (false, Some((ident, true))) => quote!(::core::option::Option::Some(#ident)),
+        (false, Some((ident, false))) => quote!(::core::option::Option::Some(&#ident)),
+        (false, None) => quote!(::core::option::Option::None),
     };
 
     // Each input as `&dyn KeyInput`, spanned at the argument: an argument that does not
@@ -139,6 +156,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             #private::execute::<#ret, #policy, _>(#call_ident, async move #block).await
         ));
         *func.block = syn::parse_quote!({
+            #run_source
             let #call_ident = #call;
             #body
         });
@@ -149,6 +167,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             #private::execute::<_, #policy, _>(#call_ident, async move { #(#stmts)* }).await
         ));
         inner.stmts = syn::parse_quote!(
+            #run_source
             let #call_ident = #call;
             #body
         );
@@ -158,6 +177,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             #private::execute_blocking::<#ret, #policy, _>(#call_ident, move || #block)
         ));
         *func.block = syn::parse_quote!({
+            #run_source
             let #call_ident = #call;
             #body
         });
