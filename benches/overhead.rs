@@ -1,5 +1,5 @@
-//! `cargo bench --bench overhead` (the Redis and Postgres rows are in
-//! `cargo run --release --features postgres,redis --example bench`).
+//! `cargo bench --bench overhead`, or `cargo bench --features postgres,redis --bench
+//! overhead` with the server URLs set for the shared stores.
 //!
 //! Each group puts idem next to the floor of the same work (and the direct call), so
 //! every report shows the ratio measured in one run:
@@ -12,6 +12,8 @@
 //!   and 64 calls in flight (time per call);
 //! - `sled_hit_by_size/<records>`: a hit with 10³, 10⁵ and 10⁶ records stored;
 //! - `sled_purge/<records>`: purging that many expired records;
+//! - `redis`, `postgres` (with `--features postgres,redis` and `IDEM_REDIS_URL` /
+//!   `IDEM_POSTGRES_URL`): hit and miss next to one round trip, one query, two commits.
 
 #[path = "../examples/support/scenario.rs"]
 mod scenario;
@@ -243,12 +245,164 @@ fn sled_purge(c: &mut Criterion) {
     group.finish();
 }
 
+/// Hits and misses on Redis and Postgres, next to one round trip / one query / two
+/// commits on the same server. Needs `--features postgres,redis` and the URLs.
+fn network(c: &mut Criterion) {
+    #[cfg(feature = "redis")]
+    if let Ok(url) = std::env::var("IDEM_REDIS_URL") {
+        let rt = runtime();
+        let mut group = c.benchmark_group("redis");
+        let prefix = format!("idem-bench-{}:", std::process::id());
+        let (run, conn) = rt.block_on(async {
+            let store = idem::RedisStore::builder(&url)
+                .prefix(&prefix)
+                .connect()
+                .await
+                .unwrap();
+            let conn = redis::Client::open(url.as_str())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            (Run::new("bench").with_store(store), conn)
+        });
+        let input = email(0, BODY);
+        rt.block_on(send_email(&run, &input)).unwrap();
+        group.bench_function("floor/one round trip", |b| {
+            b.iter_custom(|iters| {
+                per_iter(&rt, iters, |_| {
+                    let mut c = conn.clone();
+                    async move {
+                        let _: Option<Vec<u8>> = redis::cmd("GET")
+                            .arg("idem-bench-floor")
+                            .query_async(&mut c)
+                            .await
+                            .unwrap();
+                    }
+                })
+            })
+        });
+        group.bench_function("hit", |b| {
+            b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&run, &input)))
+        });
+        let mut next = 0u64;
+        group.bench_function("miss", |b| {
+            b.iter_custom(|iters| {
+                let base = next;
+                next += iters;
+                per_iter(&rt, iters, |i| {
+                    let run = run.clone();
+                    async move {
+                        send_email(&run, &email(1_000_000 + base + i, BODY))
+                            .await
+                            .unwrap()
+                    }
+                })
+            })
+        });
+        group.finish();
+    }
+    #[cfg(feature = "postgres")]
+    if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
+        let rt = runtime();
+        let mut group = c.benchmark_group("postgres");
+        let table = format!("idem_bench_{}", std::process::id());
+        let (run, client) = rt.block_on(async {
+            let store = idem::PostgresStore::builder(&url)
+                .table(&table)
+                .connect()
+                .await
+                .unwrap();
+            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            client
+                .batch_execute(&format!(
+                    "CREATE TABLE {table}_floor (k int8 PRIMARY KEY, v bytea)"
+                ))
+                .await
+                .unwrap();
+            (Run::new("bench").with_store(store), client)
+        });
+        let input = email(0, BODY);
+        rt.block_on(send_email(&run, &input)).unwrap();
+        let select = rt
+            .block_on(client.prepare(&format!("SELECT v FROM {table}_floor WHERE k = $1")))
+            .unwrap();
+        group.bench_function("floor/one query", |b| {
+            b.iter_custom(|iters| {
+                per_iter(&rt, iters, |i| {
+                    let (client, select) = (&client, &select);
+                    async move { client.query_opt(select, &[&(i as i64)]).await.unwrap() }
+                })
+            })
+        });
+        let mut k = 0i64;
+        let (insert, update) = rt.block_on(async {
+            (
+                client
+                    .prepare(&format!("INSERT INTO {table}_floor (k, v) VALUES ($1, $2)"))
+                    .await
+                    .unwrap(),
+                client
+                    .prepare(&format!("UPDATE {table}_floor SET v = $2 WHERE k = $1"))
+                    .await
+                    .unwrap(),
+            )
+        });
+        group.bench_function("floor/two commits", |b| {
+            b.iter_custom(|iters| {
+                let base = k;
+                k += iters as i64;
+                per_iter(&rt, iters, |i| {
+                    let (client, insert, update) = (&client, &insert, &update);
+                    async move {
+                        let key = base + i as i64;
+                        client
+                            .execute(insert, &[&key, &&b"claim"[..]])
+                            .await
+                            .unwrap();
+                        client
+                            .execute(update, &[&key, &&b"result"[..]])
+                            .await
+                            .unwrap();
+                    }
+                })
+            })
+        });
+        group.bench_function("hit", |b| {
+            b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&run, &input)))
+        });
+        let mut next = 0u64;
+        group.bench_function("miss", |b| {
+            b.iter_custom(|iters| {
+                let base = next;
+                next += iters;
+                per_iter(&rt, iters, |i| {
+                    let run = run.clone();
+                    async move {
+                        send_email(&run, &email(2_000_000 + base + i, BODY))
+                            .await
+                            .unwrap()
+                    }
+                })
+            })
+        });
+        group.finish();
+        rt.block_on(client.batch_execute(&format!("DROP TABLE {table}; DROP TABLE {table}_floor")))
+            .unwrap();
+    }
+    let _ = c;
+}
+
 criterion_group!(
     benches,
     key_derivation,
     hit,
     sled_miss,
     sled_hit_by_size,
-    sled_purge
+    sled_purge,
+    network
 );
 criterion_main!(benches);
