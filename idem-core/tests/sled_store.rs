@@ -202,3 +202,43 @@ fn many_concurrent_misses_share_flushes_and_finish() {
         .expect("concurrent misses on sled did not finish within a minute: flush deadlock");
     assert_eq!(store.len(), 64 * 8);
 }
+
+/// Calls cancelled at every point (an agent's timeout around the tool call), many of
+/// them while their flush runs: later calls still complete.
+#[test]
+fn cancelled_calls_do_not_wedge_the_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let run = Run::new("cancel").with_store(store);
+            for n in 0..300u32 {
+                let call = execute::<Result<u32, Error>, ReleaseErrors, _>(
+                    Call::new(Some(&run), "tool", Options::new(), &n),
+                    async move { Ok(n) },
+                );
+                let budget = Duration::from_micros(u64::from(n % 30) * 20);
+                let _ = tokio::time::timeout(budget, call).await;
+            }
+            // A call after all that still goes through.
+            let v = execute::<Result<u32, Error>, ReleaseErrors, _>(
+                Call::new(Some(&run), "tool", Options::new(), &"after"),
+                async { Ok(7) },
+            )
+            .await
+            .unwrap()
+            .unwrap();
+            assert_eq!(v, 7);
+        });
+        let _ = done.send(());
+    });
+    finished
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a call after cancelled ones never finished: a flush was left running");
+}

@@ -242,17 +242,39 @@ impl GroupCommit {
                 listener.await;
                 continue;
             };
+            // Hand the flush back even if this future is dropped mid-flush (a cancelled
+            // call); otherwise every later caller would wait for it forever.
+            let mut running = Running {
+                commit: self,
+                target,
+                durable: false,
+            };
             let result = flush_blocking(tree).await;
-            {
-                let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                state.running = false;
-                if result.is_ok() {
-                    state.durable = state.durable.max(target);
-                }
-            }
-            self.done.notify(usize::MAX);
+            running.durable = result.is_ok();
+            drop(running);
             result?;
         }
+    }
+}
+
+/// The running flush: on drop, marks it finished (and its target durable, if it
+/// succeeded) and wakes the waiters.
+struct Running<'a> {
+    commit: &'a GroupCommit,
+    target: u64,
+    durable: bool,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        {
+            let mut state = self.commit.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.running = false;
+            if self.durable {
+                state.durable = state.durable.max(self.target);
+            }
+        }
+        self.commit.done.notify(usize::MAX);
     }
 }
 
