@@ -348,6 +348,9 @@ struct Map<'a> {
     start: usize,
     /// Where this map's entries begin on the thread's entry stack.
     base: usize,
+    /// Clears this map's entries off the stack however the map ends (also when
+    /// serialization fails half-way).
+    _entries: EntriesGuard,
     key: Option<Range<usize>>,
     close_variant: bool,
 }
@@ -357,6 +360,16 @@ type Entry = (Range<usize>, Range<usize>);
 thread_local! {
     static ENTRIES: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
     static TAIL: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Truncates the entry stack back to where a map started.
+struct EntriesGuard(usize);
+
+impl Drop for EntriesGuard {
+    fn drop(&mut self) {
+        let base = self.0;
+        let _ = entries(|e| e.truncate(base));
+    }
 }
 
 fn entries<T>(f: impl FnOnce(&mut Vec<Entry>) -> T) -> Result<T, Error> {
@@ -373,6 +386,7 @@ impl<'a> Map<'a> {
         Ok(Map {
             out,
             _depth: depth,
+            _entries: EntriesGuard(base),
             start,
             base,
             key: None,
@@ -618,5 +632,29 @@ impl ser::Serializer for KeyText<'_> {
         _: usize,
     ) -> Result<Self::SerializeStructVariant, Error> {
         Err(key_must_be_a_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn a_failed_serialization_leaves_no_entries_behind() {
+        #[derive(serde::Serialize)]
+        struct Outer {
+            a: u8,
+            bad: HashMap<(u8, u8), u8>,
+        }
+        let bad = Outer {
+            a: 1,
+            bad: [((1, 2), 3)].into(),
+        };
+        for _ in 0..3 {
+            assert!(write(&mut Vec::new(), &bad).is_err());
+            assert_eq!(entries(|e| e.len()).unwrap(), 0);
+            assert_eq!(DEPTH.with(|d| d.get()), 0);
+        }
     }
 }
