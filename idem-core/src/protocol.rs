@@ -375,7 +375,7 @@ where
     let key = &call.key;
     let mut started: Option<Instant> = None;
     let mut poll = POLL_START;
-    let mut listener = None;
+    let mut waiting = wait::Waiting::new(key);
     let result = loop {
         match store.claim(key, &request).await {
             Err(e) => break Err(e),
@@ -427,7 +427,7 @@ where
                     }
                 };
                 // Listen before each claim, so a completion in between is not missed.
-                match listener.take() {
+                match waiting.relisten() {
                     None => {
                         tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, waiting")
                     }
@@ -438,13 +438,10 @@ where
                         poll = (poll * 2).min(POLL_CAP);
                     }
                 }
-                listener = Some(wait::listen(key));
             }
         }
     };
-    if listener.take().is_some() {
-        wait::forget(key);
-    }
+    drop(waiting);
     result
 }
 

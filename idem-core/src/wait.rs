@@ -23,6 +23,35 @@ pub(crate) fn listen(key: &Key) -> EventListener {
     with_waiters(|map| map.entry(key.clone()).or_default().listen())
 }
 
+/// While alive, a call waits on `key`; when it ends (answered, given up, or the call's
+/// future dropped), the key's entry goes if nobody else listens.
+pub(crate) struct Waiting<'a> {
+    key: &'a Key,
+    listener: Option<EventListener>,
+}
+
+impl<'a> Waiting<'a> {
+    pub(crate) fn new(key: &'a Key) -> Self {
+        Waiting {
+            key,
+            listener: None,
+        }
+    }
+
+    /// Listens afresh, returning the previous listener, if any.
+    pub(crate) fn relisten(&mut self) -> Option<EventListener> {
+        self.listener.replace(listen(self.key))
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.listener.take().is_some() {
+            forget(self.key);
+        }
+    }
+}
+
 /// Wakes every call in this process waiting on `key`.
 pub(crate) fn notify(key: &Key) {
     if let Some(event) = with_waiters(|map| map.remove(key)) {
