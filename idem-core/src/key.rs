@@ -167,17 +167,30 @@ impl Key {
         field(&mut h, Some(parts.input.as_bytes()));
         let digest: [u8; 32] = h.finalize().into();
 
-        let mut text = String::with_capacity(LABEL_MAX + 1 + 64);
-        text.extend(parts.tool.chars().take(LABEL_MAX).map(|c| match c {
-            'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c,
-            _ => '_',
-        }));
-        if text.is_empty() {
-            text.push('_');
+        // Built on the stack, then allocated once as the `Arc<str>`.
+        let mut text = [0u8; LABEL_MAX + 1 + 64];
+        let mut len = 0;
+        for c in parts.tool.chars().take(LABEL_MAX) {
+            text[len] = match c {
+                'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c as u8,
+                _ => b'_',
+            };
+            len += 1;
         }
-        text.push('.');
-        push_hex(&mut text, &digest);
-        Key(text.into())
+        if len == 0 {
+            text[0] = b'_';
+            len = 1;
+        }
+        text[len] = b'.';
+        len += 1;
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        for b in digest {
+            text[len] = HEX[usize::from(b >> 4)];
+            text[len + 1] = HEX[usize::from(b & 0xf)];
+            len += 2;
+        }
+        // Every byte written above is ASCII.
+        Key(String::from_utf8_lossy(&text[..len]).into())
     }
 
     /// Wraps a key read back from a store or chosen by hand.
@@ -200,14 +213,6 @@ fn field(h: &mut Sha256, bytes: Option<&[u8]>) {
             h.update((b.len() as u64).to_be_bytes());
             h.update(b);
         }
-    }
-}
-
-fn push_hex(out: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for b in bytes {
-        out.push(HEX[usize::from(b >> 4)] as char);
-        out.push(HEX[usize::from(b & 0xf)] as char);
     }
 }
 

@@ -44,14 +44,19 @@ impl Timestamp {
 
     /// This time plus `d`, saturating instead of overflowing.
     pub fn after(self, d: Duration) -> Self {
-        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-        Timestamp(self.0.saturating_add(ms))
+        Timestamp(self.0.saturating_add(millis(d)))
     }
 
     /// How long from `now` until this time (zero if it has passed).
     pub fn remaining(self, now: Timestamp) -> Duration {
         Duration::from_millis(self.0.saturating_sub(now.0))
     }
+}
+
+/// A duration in whole milliseconds, saturating at `u64::MAX`: the unit every record
+/// and every store speaks.
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Identifies one claim of a key: the fencing token.

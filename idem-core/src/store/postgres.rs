@@ -244,8 +244,9 @@ fn pg_error(e: impl std::fmt::Display) -> Error {
     Error::store(STORE, e.to_string())
 }
 
+/// Milliseconds as Postgres' `int8`.
 fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(crate::record::millis(d)).unwrap_or(i64::MAX)
 }
 
 impl PostgresStore {

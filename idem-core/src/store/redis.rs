@@ -23,7 +23,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
-use crate::record::{Record, State, Timestamp, Token};
+use crate::record::{millis, Record, State, Timestamp, Token};
 use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{Error, Fingerprint, Key};
 
@@ -197,10 +197,6 @@ impl RedisStoreBuilder {
 
 fn redis_error(e: impl std::fmt::Display) -> Error {
     Error::store(STORE, e.to_string())
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl RedisStore {
