@@ -40,10 +40,10 @@
 //! | `fail_fast` | a concurrent duplicate gets [`Error::InProgress`] at once | off |
 //! | `at_most_once` | after a crash, [`Error::OutcomeUnknown`] instead of running again (payments) | at-least-once |
 //! | `cache_errors` | store `Err` values and replay them too (needs `E: Serialize + Deserialize`) | errors release the key |
-//! | `name = "send_email"` | the tool name in the key | the function's name; `Type::method` for methods |
+//! | `name = "send_email"` | the tool name in the key: a string literal, or an expression giving `&str` (`name = Self::NAME`) | the function's name; `Type::method` for methods |
 //! | `key = [input.to]` | the arguments or fields that form the key; the whole input is still fingerprinted, so the same key with another input is [`Error::PayloadMismatch`] | all arguments |
 //! | `skip = [client]` | arguments that are context, not input (clients, connections) | none |
-//! | `run = ctx.run()` | where the run comes from: an expression giving a `Run`, `&Run` or an `Option` of either (`None`: the ambient run) | a `Run` argument, else the ambient run |
+//! | `run = ctx.run()` | where the run comes from: an expression giving a `Run`, `&Run`, `Arc<Run>` or an `Option` of one (`None`: the ambient run) | a `Run` argument, else the ambient run |
 //! | `map_error = path` | a function `idem::Error -> E`, when `E` has no `From<idem::Error>` | `From::from` |
 //! | `crate = "my::idem"` | where the `idem` crate is, if you re-export it | `::idem` |
 //!

@@ -31,6 +31,7 @@
 //! mid-operation leaves its claim in place until the lease expires, as a crash does.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
@@ -44,7 +45,8 @@ use crate::wait::{self, AsyncPause, BlockingPause, Pause};
 use crate::{Error, Fingerprint, Key, KeyParts, Run};
 
 /// Where a call's run comes from, for the attribute's `run = expr` option: a `Run`, a
-/// `&Run`, or an `Option` of either (`None`: use the ambient run).
+/// `&Run`, an `Arc<Run>` (as context maps such as rig's `ToolContext::scope` hand out),
+/// or an `Option` of one (`None`: use the ambient run).
 pub trait RunSource {
     /// The run, if this source has one.
     fn run(&self) -> Option<&Run>;
@@ -71,6 +73,18 @@ impl RunSource for Option<Run> {
 impl RunSource for Option<&Run> {
     fn run(&self) -> Option<&Run> {
         *self
+    }
+}
+
+impl RunSource for Arc<Run> {
+    fn run(&self) -> Option<&Run> {
+        Some(self)
+    }
+}
+
+impl RunSource for Option<Arc<Run>> {
+    fn run(&self) -> Option<&Run> {
+        self.as_deref()
     }
 }
 

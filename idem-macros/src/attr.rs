@@ -3,7 +3,7 @@
 use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::punctuated::Punctuated;
-use syn::{Expr, Ident, LitStr, Path, Token};
+use syn::{Expr, ExprLit, Ident, Lit, LitStr, Path, Token};
 
 use crate::duration;
 
@@ -21,7 +21,8 @@ pub struct Args {
     pub fail_fast: Option<Span>,
     pub at_most_once: bool,
     pub cache_errors: bool,
-    pub name: Option<LitStr>,
+    /// The tool name: a string literal, or an expression giving `&str` (`Self::NAME`).
+    pub name: Option<Expr>,
     pub key: Option<Vec<Expr>>,
     pub skip: Vec<Ident>,
     pub krate: Option<Path>,
@@ -60,14 +61,19 @@ impl Parse for Args {
                 "at_most_once" => args.at_most_once = true,
                 "cache_errors" => args.cache_errors = true,
                 "name" => {
-                    let lit: LitStr = value(input)?;
-                    if lit.value().is_empty() {
-                        return Err(syn::Error::new_spanned(
-                            &lit,
-                            "the tool name must not be empty",
-                        ));
+                    let name: Expr = value(input)?;
+                    if let Expr::Lit(ExprLit {
+                        lit: Lit::Str(lit), ..
+                    }) = &name
+                    {
+                        if lit.value().is_empty() {
+                            return Err(syn::Error::new_spanned(
+                                lit,
+                                "the tool name must not be empty",
+                            ));
+                        }
                     }
-                    args.name = Some(lit);
+                    args.name = Some(name);
                 }
                 "key" => {
                     input.parse::<Token![=]>()?;

@@ -69,7 +69,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     // for methods, so `call` on two types are two tools).
     let fn_name = func.sig.ident.to_string();
     let name = match (&args.name, has_receiver) {
-        (Some(lit), _) => quote!(#lit),
+        (Some(name), _) => quote!(#name),
         (None, true) => quote!(&::std::format!(
             "{}::{}",
             ::core::any::type_name::<Self>(),
