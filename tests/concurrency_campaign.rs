@@ -96,9 +96,9 @@ async fn campaign(stores: Vec<Arc<dyn Store>>) {
         task.await.unwrap();
     }
 
-    let executions = ledger.executions.lock().unwrap();
-    let keys = ledger.keys.lock().unwrap();
-    let seen = seen.lock().unwrap();
+    let executions = ledger.executions.lock().unwrap().clone();
+    let keys = ledger.keys.lock().unwrap().clone();
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
     let mut takeovers = 0;
     for k in 0..KEYS {
         let Some(values) = seen.values.get(&k) else {
