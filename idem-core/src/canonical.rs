@@ -65,8 +65,13 @@ fn write_int(out: &mut Vec<u8>, v: impl itoa::Integer) {
 }
 
 fn write_f64(out: &mut Vec<u8>, f: f64) -> Result<(), Error> {
-    if !f.is_finite() {
-        out.extend_from_slice(b"null");
+    if f.is_nan() {
+        // Bare tokens no JSON value can produce: a non-finite float never shares a
+        // fingerprint with `null`, with a string, or with another non-finite float.
+        out.extend_from_slice(b"NaN");
+        Ok(())
+    } else if f.is_infinite() {
+        out.extend_from_slice(if f > 0.0 { b"Infinity" } else { b"-Infinity" });
         Ok(())
     } else if f.fract() == 0.0 && f.abs() < EXACT_INT {
         write_int(out, f as i64);

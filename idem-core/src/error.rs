@@ -88,8 +88,9 @@ pub enum Error {
     },
 
     /// The operation's result (or error, when errors are cached) cannot be serialized, so
-    /// it cannot be stored. The claim was released. Change the result type so it
-    /// serializes.
+    /// it cannot be stored. The body has run. At-least-once tools release the key;
+    /// at-most-once tools keep the claim, so a retry gets [`Error::OutcomeUnknown`].
+    /// Change the result type so it serializes.
     #[error("result for key `{key}` cannot be serialized for storage: {source}")]
     Output {
         /// The idempotency key.
@@ -97,6 +98,23 @@ pub enum Error {
         /// What serde reported.
         #[source]
         source: serde_json::Error,
+    },
+
+    /// The tool's result is larger than the store takes ([`Store::max_result_bytes`](crate::Store::max_result_bytes)),
+    /// so it was not stored. The body has run. At-least-once tools release the key (a
+    /// retry runs again); at-most-once tools keep the claim, so a retry gets
+    /// [`Error::OutcomeUnknown`]. Return a reference to large data (an id, a URL)
+    /// instead of the data.
+    #[error(
+        "result for key `{key}` is {size} bytes, over the store's limit of {limit}; it was not stored"
+    )]
+    ResultTooLarge {
+        /// The idempotency key.
+        key: String,
+        /// The serialized result's size in bytes.
+        size: usize,
+        /// The store's limit.
+        limit: usize,
     },
 
     /// A completed result is stored under the key but no longer deserializes into the
@@ -162,6 +180,7 @@ impl Error {
             | Error::OutcomeUnknown { key }
             | Error::LostLease { key }
             | Error::Output { key, .. }
+            | Error::ResultTooLarge { key, .. }
             | Error::StoredResult { key, .. }
             | Error::CorruptRecord { key, .. }
             | Error::UnsupportedFormat { key, .. } => Some(key),

@@ -10,7 +10,9 @@
 //! in one form whatever their Rust type (`1u8`, `1i64` and `1.0f64` all write `1`), and
 //! there is no whitespace. A `HashMap` therefore hashes the same in every process and
 //! whatever its iteration order, also when serde_json's `preserve_order` feature is on.
-//! Non-finite floats (`NaN`, `inf`) serialize as `null`, as serde_json does.
+//! Non-finite floats are written as the bare tokens `NaN`, `Infinity` and `-Infinity`,
+//! which no JSON value can produce, so they never share a fingerprint with `null`, a
+//! string, or each other (serde_json would write all three as `null`).
 //! An input serde cannot express as JSON (a map with non-string keys) is an
 //! [`Error::Input`]: it is never hashed as a shared value.
 //!

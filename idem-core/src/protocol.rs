@@ -470,22 +470,34 @@ where
         Ok(value) => match serde_json::to_vec(value) {
             Ok(bytes) => Some(bytes),
             Err(source) => {
-                release(call, &owner).await;
-                return Err(Error::Output {
-                    key: key.to_string(),
-                    source,
-                });
+                return Err(unstorable(
+                    call,
+                    &owner,
+                    Error::Output {
+                        key: key.to_string(),
+                        source,
+                    },
+                )
+                .await)
             }
         },
         Err(error) if C::CACHES => match C::encode(key, error) {
             Ok(bytes) => Some(bytes),
-            Err(e) => {
-                release(call, &owner).await;
-                return Err(e);
-            }
+            Err(e) => return Err(unstorable(call, &owner, e).await),
         },
         Err(_) => None,
     };
+    if let Some(bytes) = &stored {
+        let limit = owner.store.max_result_bytes();
+        if bytes.len() > limit {
+            let error = Error::ResultTooLarge {
+                key: key.to_string(),
+                size: bytes.len(),
+                limit,
+            };
+            return Err(unstorable(call, &owner, error).await);
+        }
+    }
     let Some(bytes) = stored else {
         tracing::debug!(tool = %call.tool, %key, "idem: operation failed, releasing the key for retries");
         release(call, &owner).await;
@@ -509,6 +521,17 @@ where
             })
         }
     }
+}
+
+/// The body ran but its outcome cannot be stored. At-least-once: release the key, so a
+/// retry runs again. At-most-once: keep the claim, so a retry after the lease gets
+/// `OutcomeUnknown` rather than a second run.
+async fn unstorable(call: &Call, owner: &Owner, error: Error) -> Error {
+    tracing::warn!(tool = %call.tool, key = %call.key, %error, "idem: the body ran but its outcome cannot be stored");
+    if call.options.delivery == Delivery::AtLeastOnce {
+        release(call, owner).await;
+    }
+    error
 }
 
 async fn release(call: &Call, owner: &Owner) {

@@ -118,7 +118,21 @@ pub trait Store: Send + Sync + 'static {
 
     /// Physically removes expired records; returns how many were removed.
     async fn purge_expired(&self) -> Result<u64, Error>;
+
+    /// The largest serialized result this store keeps, in bytes. A larger result is
+    /// [`Error::ResultTooLarge`], never a store error half-way through a write.
+    /// Default: [`DEFAULT_MAX_RESULT_BYTES`].
+    fn max_result_bytes(&self) -> usize {
+        DEFAULT_MAX_RESULT_BYTES
+    }
 }
+
+/// The result size every built-in store accepts: 4 MiB. Redis (512 MiB per value) and
+/// PostgreSQL (1 GiB per `bytea`) take far more, but a large value blocks Redis's one
+/// thread while it moves and is copied on every replay; sled keeps values in memory
+/// pages. Tool results are meant to go back into a model's context: ids, receipts,
+/// short texts.
+pub const DEFAULT_MAX_RESULT_BYTES: usize = 4 << 20;
 
 #[async_trait]
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -145,6 +159,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn purge_expired(&self) -> Result<u64, Error> {
         (**self).purge_expired().await
+    }
+    fn max_result_bytes(&self) -> usize {
+        (**self).max_result_bytes()
     }
 }
 
