@@ -274,6 +274,60 @@ fn main() {
             );
         }
 
+        // Sled in fsync mode: each group commit also fdatasyncs the log.
+        let synced = SledStore::builder(dir.path().join("idem-fsync"))
+            .fsync(true)
+            .open()
+            .unwrap();
+        let log = std::fs::File::open(dir.path().join("floor").join("db")).unwrap();
+        let floor = median(m, |_| {
+            k += 1;
+            raw.insert(k.to_be_bytes(), &b"claim"[..]).unwrap();
+            raw.flush().unwrap();
+            log.sync_data().unwrap();
+            raw.insert(k.to_be_bytes(), &b"result"[..]).unwrap();
+            raw.flush().unwrap();
+            log.sync_data().unwrap();
+        });
+        let run = Run::new("bench-sled-fsync").with_store(synced);
+        let synced_serial = median_async(m, |i| {
+            let run = run.clone();
+            async move { send_email(&run, &email(2_000_000 + i, BODY)).await.unwrap() }
+        })
+        .await;
+        t.row(
+            "sled, fsync mode: miss, serial",
+            synced_serial,
+            Some(("two insert + flush + fdatasync", floor)),
+        );
+        t.row(
+            "sled, fsync mode: miss vs. default mode",
+            synced_serial,
+            Some(("default-mode serial miss", serial)),
+        );
+        let tasks = 64u64;
+        let started = Instant::now();
+        let handles: Vec<_> = (0..tasks)
+            .map(|w| {
+                let run = run.clone();
+                tokio::spawn(async move {
+                    for i in 0..10 {
+                        send_email(&run, &email(90_000_000 + w * 1000 + i, BODY))
+                            .await
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.await.unwrap();
+        }
+        t.row(
+            "sled, fsync mode: miss, 64 concurrent, per call",
+            started.elapsed() / (tasks * 10) as u32,
+            Some(("its serial miss", synced_serial)),
+        );
+
         #[cfg(feature = "redis")]
         if let Ok(url) = std::env::var("IDEM_REDIS_URL") {
             network::redis(&url, &input, &mut t).await;

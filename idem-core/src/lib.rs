@@ -52,5 +52,5 @@ pub use store::memory::MemoryStore;
 pub use store::postgres::{PostgresStore, PostgresStoreBuilder};
 #[cfg(feature = "redis")]
 pub use store::redis::{RedisStore, RedisStoreBuilder};
-pub use store::sled::SledStore;
+pub use store::sled::{SledStore, SledStoreBuilder};
 pub use store::Store;

@@ -14,3 +14,10 @@ async fn sled_store_conforms() {
     let dir = tempfile::tempdir().unwrap();
     testing::run_all(Arc::new(SledStore::open(dir.path()).unwrap())).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sled_store_in_fsync_mode_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::builder(dir.path()).fsync(true).open().unwrap();
+    testing::run_all(Arc::new(store)).await;
+}

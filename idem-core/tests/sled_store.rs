@@ -242,3 +242,29 @@ fn cancelled_calls_do_not_wedge_the_flush() {
         .recv_timeout(Duration::from_secs(60))
         .expect("a call after cancelled ones never finished: a flush was left running");
 }
+
+#[tokio::test]
+async fn fsync_mode_caps_results_below_the_blob_size_and_is_one_setting_per_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::builder(dir.path()).fsync(true).open().unwrap();
+    assert_eq!(store.max_result_bytes(), SledStore::FSYNC_MAX_RESULT_BYTES);
+    let run = Run::new("r").with_store(store.clone());
+    // A result that would need one of sled's (never synced) blob files is refused.
+    let big = "x".repeat(SledStore::FSYNC_MAX_RESULT_BYTES);
+    let err = send(&run, "big", &big).await.unwrap_err();
+    assert!(matches!(err, Error::ResultTooLarge { .. }), "{err}");
+    // Just under the cap is stored and replayed.
+    let fits = "x".repeat(SledStore::FSYNC_MAX_RESULT_BYTES - 2);
+    assert_eq!(send(&run, "fits", &fits).await.unwrap().unwrap(), fits);
+    assert_eq!(send(&run, "fits", "other").await.unwrap().unwrap(), fits);
+
+    // The same directory cannot be open with and without fsync at once.
+    let err = SledStore::open(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("fsync = true"), "{err}");
+    drop((run, store));
+    // Reopened without fsync, the records are there.
+    let store = SledStore::open(dir.path()).unwrap();
+    assert_eq!(store.max_result_bytes(), idem_core::store::DEFAULT_MAX_RESULT_BYTES);
+    let run = Run::new("r").with_store(store);
+    assert_eq!(send(&run, "fits", "other").await.unwrap().unwrap(), fits);
+}

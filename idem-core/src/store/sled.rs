@@ -5,6 +5,19 @@
 //! flushed before the call goes on: the claim is on disk before the operation starts,
 //! the result is on disk before the call returns.
 //!
+//! # Durability
+//!
+//! By default a write is durable against a **process crash** (kill -9, panic, OOM
+//! kill) before the call goes on: sled 0.34's flush writes its log and, on Linux, waits
+//! for it with `sync_file_range`, which puts the data on its way to the device but
+//! neither flushes the device's volatile cache nor syncs the file's size, and large
+//! values (over about 128 KiB) go to separate blob files that are never synced. That
+//! is not enough against **power loss or a kernel crash**: the last writes before it
+//! may be gone. [`SledStoreBuilder::fsync`] adds an `fdatasync` of the database file
+//! after each (group) flush and caps results at [`SledStore::FSYNC_MAX_RESULT_BYTES`]
+//! so no blob file is ever needed: then a call's claim and result are on stable
+//! storage before it goes on.
+//!
 //! sled allows one open handle per directory. Inside a process, every
 //! [`SledStore::open`] of the same directory shares one handle; another process that
 //! opens a directory in use gets an [`Error::Store`] within 1.5 seconds (never a hang).
@@ -38,6 +51,8 @@ struct Inner {
     path: PathBuf,
     tree: ::sled::Tree,
     commit: GroupCommit,
+    /// The database file, synced after each flush in fsync mode.
+    fsync: Option<Arc<std::fs::File>>,
     // Keeps the database (and its file lock) open as long as any clone lives.
     _db: ::sled::Db,
 }
@@ -74,12 +89,36 @@ impl SledStore {
     /// The name of the sled tree that holds idem's records.
     pub const TREE: &'static str = "idem.records";
 
-    /// Opens (creating if needed) the store in directory `path`.
+    /// The largest result stored in fsync mode: results above it would go to sled's
+    /// blob files, which sled never syncs.
+    pub const FSYNC_MAX_RESULT_BYTES: usize = 120 * 1024;
+
+    /// Opens (creating if needed) the store in directory `path`, durable against
+    /// process crashes (see [Durability](self#durability)).
     ///
     /// Opening a directory this process already has open returns a handle to the same
     /// database. A directory another process holds open is an [`Error::Store`].
     pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
-        let path = path.as_ref();
+        Self::builder(path).open()
+    }
+
+    /// A store in directory `path`, with options.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), idem_core::Error> {
+    /// let store = idem_core::SledStore::builder("/var/lib/my-agent/idem")
+    ///     .fsync(true) // durable against power loss, not only process crashes
+    ///     .open()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(path: impl AsRef<Path>) -> SledStoreBuilder {
+        SledStoreBuilder {
+            path: path.as_ref().to_owned(),
+            fsync: false,
+        }
+    }
+
+    fn open_with(path: &Path, fsync: bool) -> Result<Self, Error> {
         std::fs::create_dir_all(path).map_err(|e| {
             Error::store(
                 "sled",
@@ -97,15 +136,31 @@ impl SledStore {
         let open = open.get_or_insert_with(HashMap::new);
         open.retain(|_, weak| weak.strong_count() > 0);
         if let Some(inner) = open.get(&path).and_then(Weak::upgrade) {
+            if inner.fsync.is_some() != fsync {
+                return Err(Error::store(
+                    "sled",
+                    format!(
+                        "{} is already open in this process with fsync = {}",
+                        path.display(),
+                        inner.fsync.is_some()
+                    ),
+                ));
+            }
             return Ok(SledStore { inner });
         }
         let db = open_db(&path)?;
         let tree = db.open_tree(Self::TREE).map_err(sled_error)?;
-        tracing::debug!(path = %path.display(), "opened sled store");
+        let fsync = if fsync {
+            Some(Arc::new(sync_new_database(&path, &db)?))
+        } else {
+            None
+        };
+        tracing::debug!(path = %path.display(), fsync = fsync.is_some(), "opened sled store");
         let inner = Arc::new(Inner {
             path: path.clone(),
             tree,
             commit: GroupCommit::default(),
+            fsync,
             _db: db,
         });
         open.insert(path, Arc::downgrade(&inner));
@@ -130,7 +185,10 @@ impl SledStore {
     /// Makes every write this caller made so far durable. Concurrent callers share
     /// flushes (group commit): see [`GroupCommit`].
     async fn flush(&self) -> Result<(), Error> {
-        self.inner.commit.flush(&self.inner.tree).await
+        self.inner
+            .commit
+            .flush(&self.inner.tree, self.inner.fsync.as_ref())
+            .await
     }
 
     fn read(&self, key: &Key) -> Result<Option<(::sled::IVec, Record)>, Error> {
@@ -218,7 +276,11 @@ struct CommitState {
 }
 
 impl GroupCommit {
-    async fn flush(&self, tree: &::sled::Tree) -> Result<(), Error> {
+    async fn flush(
+        &self,
+        tree: &::sled::Tree,
+        fsync: Option<&Arc<std::fs::File>>,
+    ) -> Result<(), Error> {
         let ticket = {
             let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
             state.issued += 1;
@@ -249,7 +311,7 @@ impl GroupCommit {
                 target,
                 durable: false,
             };
-            let result = flush_blocking(tree).await;
+            let result = flush_blocking(tree, fsync).await;
             running.durable = result.is_ok();
             drop(running);
             result?;
@@ -278,20 +340,75 @@ impl Drop for Running<'_> {
     }
 }
 
-/// `tree.flush()` off the async threads when there are any.
-async fn flush_blocking(tree: &::sled::Tree) -> Result<(), Error> {
-    let flushed = match tokio::runtime::Handle::try_current() {
-        Ok(handle) => {
-            let tree = tree.clone();
-            handle
-                .spawn_blocking(move || tree.flush())
-                .await
-                .map_err(|e| Error::store("sled", format!("flush task failed: {e}")))?
+/// `tree.flush()` (and, in fsync mode, `fdatasync` of the database file) off the async
+/// threads when there are any.
+async fn flush_blocking(
+    tree: &::sled::Tree,
+    fsync: Option<&Arc<std::fs::File>>,
+) -> Result<(), Error> {
+    let tree = tree.clone();
+    let fsync = fsync.cloned();
+    let flush = move || -> Result<(), Error> {
+        tree.flush().map_err(sled_error)?;
+        if let Some(file) = fsync {
+            file.sync_data()
+                .map_err(|e| Error::store("sled", format!("fdatasync failed: {e}")))?;
         }
-        // A sync tool outside any runtime: this thread may block.
-        Err(_) => tree.flush(),
+        Ok(())
     };
-    flushed.map(|_| ()).map_err(sled_error)
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => handle
+            .spawn_blocking(flush)
+            .await
+            .map_err(|e| Error::store("sled", format!("flush task failed: {e}")))?,
+        // A sync tool outside any runtime: this thread may block.
+        Err(_) => flush(),
+    }
+}
+
+/// Fsync mode, at open: makes the database's files and their directory entries durable
+/// (sled creates them without syncing) and returns the log file to sync after flushes.
+fn sync_new_database(path: &Path, db: &::sled::Db) -> Result<std::fs::File, Error> {
+    let io = |what: &str, e: std::io::Error| {
+        Error::store(
+            "sled",
+            format!("fsync mode: {what} in {}: {e}", path.display()),
+        )
+    };
+    db.flush().map_err(sled_error)?;
+    let log = std::fs::File::open(path.join("db")).map_err(|e| io("cannot open the log", e))?;
+    log.sync_all().map_err(|e| io("cannot sync the log", e))?;
+    if let Ok(conf) = std::fs::File::open(path.join("conf")) {
+        conf.sync_all().map_err(|e| io("cannot sync conf", e))?;
+    }
+    std::fs::File::open(path)
+        .and_then(|dir| dir.sync_all())
+        .map_err(|e| io("cannot sync the directory", e))?;
+    Ok(log)
+}
+
+/// Options for [`SledStore`]; [`SledStore::builder`] makes one.
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `open` is called"]
+pub struct SledStoreBuilder {
+    path: PathBuf,
+    fsync: bool,
+}
+
+impl SledStoreBuilder {
+    /// Also `fdatasync` the database file after each (group) flush, so claims and
+    /// results survive power loss and kernel crashes, not only process crashes. Results
+    /// are then capped at [`SledStore::FSYNC_MAX_RESULT_BYTES`] (larger ones would go to
+    /// sled's never-synced blob files). Costs one `fdatasync` per group commit.
+    pub fn fsync(mut self, fsync: bool) -> Self {
+        self.fsync = fsync;
+        self
+    }
+
+    /// Opens (creating if needed) the store. See [`SledStore::open`].
+    pub fn open(self) -> Result<SledStore, Error> {
+        SledStore::open_with(&self.path, self.fsync)
+    }
 }
 
 impl std::fmt::Debug for SledStore {
@@ -327,6 +444,14 @@ impl Store for SledStore {
 
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
         self.fenced(key, token, None).await
+    }
+
+    fn max_result_bytes(&self) -> usize {
+        if self.inner.fsync.is_some() {
+            Self::FSYNC_MAX_RESULT_BYTES
+        } else {
+            crate::store::DEFAULT_MAX_RESULT_BYTES
+        }
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
