@@ -1,0 +1,39 @@
+//! Key derivation with adversarial tenants, run ids, call ids and tool names: two
+//! different sets of parts never give the same key, and every key is printable ASCII
+//! of at most 129 characters.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use idem_core::key::{Key, KeyParts};
+use idem_core::Fingerprint;
+use libfuzzer_sys::fuzz_target;
+
+#[derive(Arbitrary, Debug, PartialEq)]
+struct Parts {
+    tenant: Option<String>,
+    run_id: String,
+    call_id: Option<String>,
+    tool: String,
+    input: [u8; 32],
+}
+
+fn key(p: &Parts) -> Key {
+    let input = Fingerprint::from_bytes(p.input);
+    Key::derive(&KeyParts {
+        tenant: p.tenant.as_deref(),
+        run_id: &p.run_id,
+        call_id: p.call_id.as_deref(),
+        tool: &p.tool,
+        input: &input,
+    })
+}
+
+fuzz_target!(|pair: (Parts, Parts)| {
+    let (a, b) = pair;
+    let (ka, kb) = (key(&a), key(&b));
+    for k in [&ka, &kb] {
+        assert!(k.as_str().len() <= 129, "{k}");
+        assert!(k.as_str().bytes().all(|c| c.is_ascii_graphic()), "{k}");
+    }
+    assert_eq!(a == b, ka == kb, "{a:?} / {b:?}");
+});
