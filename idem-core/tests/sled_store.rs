@@ -264,7 +264,10 @@ async fn fsync_mode_caps_results_below_the_blob_size_and_is_one_setting_per_dire
     drop((run, store));
     // Reopened without fsync, the records are there.
     let store = SledStore::open(dir.path()).unwrap();
-    assert_eq!(store.max_result_bytes(), idem_core::store::DEFAULT_MAX_RESULT_BYTES);
+    assert_eq!(
+        store.max_result_bytes(),
+        idem_core::store::DEFAULT_MAX_RESULT_BYTES
+    );
     let run = Run::new("r").with_store(store);
     assert_eq!(send(&run, "fits", "other").await.unwrap().unwrap(), fits);
 }
