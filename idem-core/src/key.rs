@@ -396,7 +396,11 @@ mod tests {
         assert_eq!(canon(&-3i32), "-3");
         assert_eq!(canon(&1.5f64), "1.5");
         assert_eq!(canon(&1e300f64), "1e+300");
-        assert_eq!(canon(&f64::NAN), "null");
+        // Non-finite floats get tokens of their own, never JSON's `null`.
+        assert_eq!(canon(&f64::NAN), "NaN");
+        assert_eq!(canon(&f64::INFINITY), "Infinity");
+        assert_eq!(canon(&f64::NEG_INFINITY), "-Infinity");
+        assert_eq!(canon(&Option::<f64>::None), "null");
     }
 
     #[test]
