@@ -1,129 +1,144 @@
-//! A payment tool: at-most-once, and forwarding idem's key to the payment provider.
+//! A payment tool that charges through an HTTP payment provider and forwards idem's key
+//! as the provider's `Idempotency-Key`: exactly one charge, even when the tool dies after
+//! the provider charged and before idem stored the result.
 //!
-//! Charging a card twice is worse than not knowing whether it was charged. So this
-//! tool is `at_most_once`: if an attempt dies between claiming the key and recording
-//! the outcome, later calls get `OutcomeUnknown` instead of charging again. And the
-//! tool forwards `idem::current_key()` as the provider's idempotency key, so even the
-//! crash window after the charge and before idem stores the result cannot double
-//! charge: the provider recognises the key and returns the first charge.
+//! idem alone cannot close that window: the charge happened, but no record says so, and
+//! after the lease runs out the retry runs the body again. Forwarding
+//! `idem::current_key()` closes it: the re-run sends the same key, and the provider
+//! returns the first charge instead of charging again.
 //!
 //! ```text
 //! cargo run --example payment
 //! ```
 //!
-//! The provider here is an in-process stand-in that honours idempotency keys the way
-//! Stripe documents them: same key, same parameters → the stored charge.
+//! The provider is a real HTTP server on 127.0.0.1 (an ephemeral port) that honours
+//! `Idempotency-Key` the way Stripe documents it. The agent retries with exponential
+//! backoff and jitter (`backon`). A tool that must never run twice without knowing the
+//! outcome, even with a downstream that does not deduplicate, uses `at_most_once`: the
+//! retry then gets `Error::OutcomeUnknown` (see `cargo run --example crash_campaign`).
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+#[path = "support/provider.rs"]
+mod provider;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idem::{idempotent, Error, MemoryStore, Run, Store};
-use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Charge {
-    customer: String,
-    cents: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct ChargeId(String);
+use backon::{ExponentialBuilder, Retryable};
+use idem::{idempotent, MemoryStore, Run};
+use provider::{Charge, ChargeRequest, Provider};
 
 #[derive(Debug, thiserror::Error)]
 enum PaymentError {
+    #[error("no response from the tool within the agent's timeout")]
+    Timeout,
+    #[error("payment provider: {0}")]
+    Provider(String),
     #[error(transparent)]
-    Idem(#[from] Error),
+    Idem(#[from] idem::Error),
 }
 
-/// The provider: charges, keyed by the caller's idempotency key.
-#[derive(Default)]
-struct Provider {
-    charges: Mutex<HashMap<String, ChargeId>>,
-    charged: Mutex<u32>,
-}
+/// The first attempt's worker hangs right after the provider charged: it never stores
+/// the result (as if it had been killed).
+static HANG_AFTER_CHARGE: AtomicBool = AtomicBool::new(true);
 
-impl Provider {
-    fn charge(&self, idempotency_key: &str, charge: &Charge) -> ChargeId {
-        let mut charges = self.charges.lock().unwrap();
-        if let Some(id) = charges.get(idempotency_key) {
-            println!("    provider: key seen before, returning {}", id.0);
-            return id.clone();
-        }
-        let mut charged = self.charged.lock().unwrap();
-        *charged += 1;
-        let id = ChargeId(format!("ch_{}", *charged));
-        println!(
-            "    provider: charged {} cents to {} ({})",
-            charge.cents, charge.customer, id.0
-        );
-        charges.insert(idempotency_key.to_owned(), id.clone());
-        id
+/// How many times the tool's body ran, in this process.
+static BODY_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// The tool: one HTTP request to the provider, carrying idem's key for this call.
+#[idempotent(name = "charge_card", ttl = "24h", lease = "300ms", skip = [http, base])]
+async fn charge_card(
+    input: ChargeRequest,
+    http: &reqwest::Client,
+    base: &str,
+) -> Result<Charge, PaymentError> {
+    BODY_RUNS.fetch_add(1, Ordering::SeqCst);
+    let key = idem::current_key().ok_or_else(|| PaymentError::Provider("no key".into()))?;
+    let response = http
+        .post(format!("{base}/v1/charges"))
+        .header("Idempotency-Key", key.as_str())
+        .json(&input)
+        .send()
+        .await
+        .map_err(|e| PaymentError::Provider(e.to_string()))?;
+    let replayed = response.headers().contains_key("Idempotent-Replayed");
+    if !response.status().is_success() {
+        let text = response.text().await.unwrap_or_default();
+        return Err(PaymentError::Provider(text));
     }
-}
-
-static PROVIDER: std::sync::LazyLock<Provider> = std::sync::LazyLock::new(Provider::default);
-
-#[idempotent(ttl = "24h", lease = "300ms", at_most_once, skip = [crash_after_charge])]
-async fn charge_card(input: Charge, crash_after_charge: bool) -> Result<ChargeId, PaymentError> {
-    // The key of this very call: the provider deduplicates on it too.
-    let key = idem::current_key().expect("inside an idempotent call");
-    let id = PROVIDER.charge(key.as_str(), &input);
-    if crash_after_charge {
-        // The worker dies after the provider charged, before idem stored the result.
+    let charge: Charge = response
+        .json()
+        .await
+        .map_err(|e| PaymentError::Provider(e.to_string()))?;
+    println!(
+        "    tool: provider answered {} ({})",
+        charge.id,
+        if replayed { "replayed" } else { "charged" }
+    );
+    if HANG_AFTER_CHARGE.swap(false, Ordering::SeqCst) {
+        println!("    tool: the worker hangs after the charge, before idem stores the result");
         std::future::pending::<()>().await;
     }
-    Ok(id)
+    Ok(charge)
 }
 
 #[tokio::main]
 async fn main() -> Result<(), PaymentError> {
-    let store = MemoryStore::new();
-    let run = Run::new("checkout-7").with_store(store.clone());
-    let order = Charge {
+    let provider = Provider::start()
+        .await
+        .map_err(|e| PaymentError::Provider(e.to_string()))?;
+    let http = reqwest::Client::new();
+    let base = provider.url();
+    let run = Run::new("checkout-7").with_store(MemoryStore::new());
+    let order = ChargeRequest {
         customer: "cus_ada".into(),
-        cents: 4200,
+        amount_cents: 4200,
+        currency: "eur".into(),
     };
+    println!("provider on {base}");
 
-    println!("1. A charge, and the agent's retry of it:");
-    let first = run.scope(charge_card(order.clone(), false)).await?;
-    let retry = run.scope(charge_card(order.clone(), false)).await?;
-    println!("   first {}, retry {} (replayed by idem)", first.0, retry.0);
-
-    println!("2. A worker that dies right after the provider charged:");
-    let other = Charge {
-        customer: "cus_bob".into(),
-        cents: 990,
-    };
-    let crashed = tokio::time::timeout(
-        Duration::from_millis(100),
-        run.scope(charge_card(other.clone(), true)),
-    )
-    .await;
-    println!("   the attempt never returned: {}", crashed.is_err());
-    // The same call, after the dead worker's lease ran out.
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    match run.scope(charge_card(other.clone(), true)).await {
-        Err(PaymentError::Idem(Error::OutcomeUnknown { key })) => {
-            println!("   retry: outcome unknown, not charged again (key {key})");
-            // An operator (or the agent) asks the provider with the same key...
-            let known = PROVIDER.charges.lock().unwrap().get(&key).cloned();
-            println!("   provider knows this key: {:?}", known.map(|c| c.0));
-            // ...and, knowing the outcome, clears the record so the call can complete.
-            store.delete(&idem::Key::from_text(key)).await?;
-            let settled = run.scope(charge_card(other, false)).await?;
-            println!(
-                "   after clearing the record: {} (the provider replayed it)",
-                settled.0
-            );
+    // The agent: each attempt gets 200 ms; a timeout is retried with exponential backoff
+    // and jitter. The attempt that timed out is abandoned, its claim left to expire.
+    let attempts = AtomicUsize::new(0);
+    let attempt = || async {
+        let n = attempts.fetch_add(1, Ordering::SeqCst) + 1;
+        let call = run.scope(charge_card(order.clone(), &http, &base));
+        let result = match tokio::time::timeout(Duration::from_millis(200), call).await {
+            Ok(result) => result,
+            Err(_) => Err(PaymentError::Timeout),
+        };
+        match &result {
+            Ok(charge) => println!("  attempt {n}: ok, {}", charge.id),
+            Err(e) => println!("  attempt {n}: {e}"),
         }
-        other => println!("   unexpected: {other:?}"),
-    }
+        result
+    };
+    let charge = attempt
+        .retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(50))
+                .with_max_times(5)
+                .with_jitter(),
+        )
+        .when(|e| matches!(e, PaymentError::Timeout))
+        .await?;
+
+    // Later, the agent asks again (a replayed conversation): idem answers, no request.
+    let again = run.scope(charge_card(order.clone(), &http, &base)).await?;
 
     println!();
     println!(
-        "cards charged: {} (for 2 orders)",
-        PROVIDER.charged.lock().unwrap()
+        "attempts by the agent:    {}",
+        attempts.load(Ordering::SeqCst)
+    );
+    println!(
+        "tool bodies run:          {} (the hung one, and the re-run after its lease)",
+        BODY_RUNS.load(Ordering::SeqCst)
+    );
+    println!("charge the agent got:     {}", charge.id);
+    println!("charge on a later call:   {} (replayed by idem)", again.id);
+    println!(
+        "cards really charged:     {} (for 1 order)",
+        provider.charges().len()
     );
     Ok(())
 }
