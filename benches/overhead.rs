@@ -246,154 +246,83 @@ fn sled_purge(c: &mut Criterion) {
 }
 
 /// Hits and misses on Redis and Postgres, next to one round trip / one query / two
-/// commits on the same server. Needs `--features postgres,redis` and the URLs.
+/// commits on the same server, on a current-thread runtime (see the `bench` example).
+/// Needs `--features postgres,redis` and the URLs.
 fn network(c: &mut Criterion) {
+    #[cfg(any(feature = "redis", feature = "postgres"))]
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    #[cfg(any(feature = "redis", feature = "postgres"))]
+    let input = email(0, BODY);
     #[cfg(feature = "redis")]
     if let Ok(url) = std::env::var("IDEM_REDIS_URL") {
-        let rt = runtime();
         let mut group = c.benchmark_group("redis");
         let prefix = format!("idem-bench-{}:", std::process::id());
-        let (run, conn) = rt.block_on(async {
-            let store = idem::RedisStore::builder(&url)
-                .prefix(&prefix)
-                .connect()
-                .await
-                .unwrap();
-            let conn = redis::Client::open(url.as_str())
-                .unwrap()
-                .get_multiplexed_async_connection()
-                .await
-                .unwrap();
-            (Run::new("bench").with_store(store), conn)
+        let (run, floor) = rt.block_on(async {
+            let run = scenario::redis_run(&url, &prefix).await;
+            (run, scenario::RedisFloor::connect(&url).await)
         });
-        let input = email(0, BODY);
         rt.block_on(send_email(&run, &input)).unwrap();
         group.bench_function("floor/one round trip", |b| {
-            b.iter_custom(|iters| {
-                per_iter(&rt, iters, |_| {
-                    let mut c = conn.clone();
-                    async move {
-                        let _: Option<Vec<u8>> = redis::cmd("GET")
-                            .arg("idem-bench-floor")
-                            .query_async(&mut c)
-                            .await
-                            .unwrap();
-                    }
-                })
-            })
+            b.iter_custom(|iters| per_iter(&rt, iters, |_| floor.round_trip()))
         });
-        group.bench_function("hit", |b| {
-            b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&run, &input)))
-        });
-        let mut next = 0u64;
-        group.bench_function("miss", |b| {
-            b.iter_custom(|iters| {
-                let base = next;
-                next += iters;
-                per_iter(&rt, iters, |i| {
-                    let run = run.clone();
-                    async move {
-                        send_email(&run, &email(1_000_000 + base + i, BODY))
-                            .await
-                            .unwrap()
-                    }
-                })
-            })
-        });
+        bench_hit_and_miss(&mut group, &rt, &run, &input, 1_000_000);
         group.finish();
+        rt.block_on(floor.clean(&prefix));
     }
     #[cfg(feature = "postgres")]
     if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
-        let rt = runtime();
         let mut group = c.benchmark_group("postgres");
         let table = format!("idem_bench_{}", std::process::id());
-        let (run, client) = rt.block_on(async {
-            let store = idem::PostgresStore::builder(&url)
-                .table(&table)
-                .connect()
-                .await
-                .unwrap();
-            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                .await
-                .unwrap();
-            tokio::spawn(conn);
-            client
-                .batch_execute(&format!(
-                    "CREATE TABLE {table}_floor (k int8 PRIMARY KEY, v bytea)"
-                ))
-                .await
-                .unwrap();
-            (Run::new("bench").with_store(store), client)
+        let (run, floor) = rt.block_on(async {
+            let run = scenario::postgres_run(&url, &table).await;
+            (run, scenario::PostgresFloor::connect(&url, &table).await)
         });
-        let input = email(0, BODY);
         rt.block_on(send_email(&run, &input)).unwrap();
-        let select = rt
-            .block_on(client.prepare(&format!("SELECT v FROM {table}_floor WHERE k = $1")))
-            .unwrap();
         group.bench_function("floor/one query", |b| {
-            b.iter_custom(|iters| {
-                per_iter(&rt, iters, |i| {
-                    let (client, select) = (&client, &select);
-                    async move { client.query_opt(select, &[&(i as i64)]).await.unwrap() }
-                })
-            })
+            b.iter_custom(|iters| per_iter(&rt, iters, |i| floor.query(i as i64)))
         });
         let mut k = 0i64;
-        let (insert, update) = rt.block_on(async {
-            (
-                client
-                    .prepare(&format!("INSERT INTO {table}_floor (k, v) VALUES ($1, $2)"))
-                    .await
-                    .unwrap(),
-                client
-                    .prepare(&format!("UPDATE {table}_floor SET v = $2 WHERE k = $1"))
-                    .await
-                    .unwrap(),
-            )
-        });
         group.bench_function("floor/two commits", |b| {
             b.iter_custom(|iters| {
                 let base = k;
                 k += iters as i64;
-                per_iter(&rt, iters, |i| {
-                    let (client, insert, update) = (&client, &insert, &update);
-                    async move {
-                        let key = base + i as i64;
-                        client
-                            .execute(insert, &[&key, &&b"claim"[..]])
-                            .await
-                            .unwrap();
-                        client
-                            .execute(update, &[&key, &&b"result"[..]])
-                            .await
-                            .unwrap();
-                    }
-                })
+                per_iter(&rt, iters, |i| floor.two_commits(base + i as i64))
             })
         });
-        group.bench_function("hit", |b| {
-            b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&run, &input)))
-        });
-        let mut next = 0u64;
-        group.bench_function("miss", |b| {
-            b.iter_custom(|iters| {
-                let base = next;
-                next += iters;
-                per_iter(&rt, iters, |i| {
-                    let run = run.clone();
-                    async move {
-                        send_email(&run, &email(2_000_000 + base + i, BODY))
-                            .await
-                            .unwrap()
-                    }
-                })
-            })
-        });
+        bench_hit_and_miss(&mut group, &rt, &run, &input, 2_000_000);
         group.finish();
-        rt.block_on(client.batch_execute(&format!("DROP TABLE {table}; DROP TABLE {table}_floor")))
-            .unwrap();
+        rt.block_on(floor.drop_tables(&table));
     }
     let _ = c;
+}
+
+/// `hit` (the same input again and again) and `miss` (a new input each time, numbered
+/// from `first_miss`) in `group`.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+fn bench_hit_and_miss(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    rt: &tokio::runtime::Runtime,
+    run: &Run,
+    input: &scenario::SendEmail,
+    first_miss: u64,
+) {
+    group.bench_function("hit", |b| {
+        b.iter_custom(|iters| per_iter(rt, iters, |_| send_email(run, input)))
+    });
+    let mut next = first_miss;
+    group.bench_function("miss", |b| {
+        b.iter_custom(|iters| {
+            let base = next;
+            next += iters;
+            per_iter(rt, iters, |i| {
+                let run = run.clone();
+                async move { send_email(&run, &email(base + i, BODY)).await.unwrap() }
+            })
+        })
+    });
 }
 
 criterion_group!(

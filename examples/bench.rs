@@ -327,16 +327,26 @@ fn main() {
             started.elapsed() / (tasks * 10) as u32,
             Some(("its serial miss", synced_serial)),
         );
-
-        #[cfg(feature = "redis")]
-        if let Ok(url) = std::env::var("IDEM_REDIS_URL") {
-            network::redis(&url, &input, &mut t).await;
-        }
-        #[cfg(feature = "postgres")]
-        if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
-            network::postgres(&url, &input, &mut t).await;
-        }
     });
+
+    // Network stores on a current-thread runtime, as a single agent worker would run
+    // them: a round trip then costs the network and the server, not a wake-up of
+    // another thread. The floors are measured on the same runtime.
+    #[cfg(any(feature = "redis", feature = "postgres"))]
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            #[cfg(feature = "redis")]
+            if let Ok(url) = std::env::var("IDEM_REDIS_URL") {
+                network::redis(&url, &input, &mut t).await;
+            }
+            #[cfg(feature = "postgres")]
+            if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
+                network::postgres(&url, &input, &mut t).await;
+            }
+        });
 
     t.print();
     println!("\n(whole run: {:.1} s)", started.elapsed().as_secs_f64());
@@ -349,28 +359,9 @@ mod network {
     #[cfg(feature = "redis")]
     pub async fn redis(url: &str, input: &scenario::SendEmail, t: &mut Table) {
         let prefix = format!("idem-bench-{}:", std::process::id());
-        let store = idem::RedisStore::builder(url)
-            .prefix(&prefix)
-            .connect()
-            .await
-            .unwrap();
-        let run = Run::new("bench-redis").with_store(store);
-        let mut c = redis::Client::open(url)
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        let rt = median_async(2_000, |_| {
-            let mut c = c.clone();
-            async move {
-                let _: Option<Vec<u8>> = redis::cmd("GET")
-                    .arg("idem-bench-floor")
-                    .query_async(&mut c)
-                    .await
-                    .unwrap();
-            }
-        })
-        .await;
+        let run = scenario::redis_run(url, &prefix).await;
+        let floor = scenario::RedisFloor::connect(url).await;
+        let rt = median_async(2_000, |_| floor.round_trip()).await;
         send_email(&run, input).await.unwrap();
         let hit = median_async(2_000, |_| send_email(&run, input)).await;
         t.row("redis: hit", hit, Some(("one round trip (GET)", rt)));
@@ -380,67 +371,16 @@ mod network {
         })
         .await;
         t.row("redis: miss", miss, Some(("one round trip (GET)", rt)));
-        let _: () = redis::cmd("EVAL")
-            .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
-            .arg(0)
-            .arg(format!("{prefix}*"))
-            .query_async(&mut c)
-            .await
-            .unwrap();
+        floor.clean(&prefix).await;
     }
 
     #[cfg(feature = "postgres")]
     pub async fn postgres(url: &str, input: &scenario::SendEmail, t: &mut Table) {
         let table = format!("idem_bench_{}", std::process::id());
-        let store = idem::PostgresStore::builder(url)
-            .table(&table)
-            .connect()
-            .await
-            .unwrap();
-        let run = Run::new("bench-pg").with_store(store);
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        client
-            .batch_execute(&format!(
-                "CREATE TABLE {table}_floor (k int8 PRIMARY KEY, v bytea)"
-            ))
-            .await
-            .unwrap();
-        let select = client
-            .prepare(&format!("SELECT v FROM {table}_floor WHERE k = $1"))
-            .await
-            .unwrap();
-        let query = median_async(2_000, |i| {
-            let (client, select) = (&client, &select);
-            async move {
-                client.query_opt(select, &[&(i as i64)]).await.unwrap();
-            }
-        })
-        .await;
-        let insert = client
-            .prepare(&format!("INSERT INTO {table}_floor (k, v) VALUES ($1, $2)"))
-            .await
-            .unwrap();
-        let update = client
-            .prepare(&format!("UPDATE {table}_floor SET v = $2 WHERE k = $1"))
-            .await
-            .unwrap();
-        let commits = median_async(200, |i| {
-            let (client, insert, update) = (&client, &insert, &update);
-            async move {
-                client
-                    .execute(insert, &[&(i as i64), &&b"claim"[..]])
-                    .await
-                    .unwrap();
-                client
-                    .execute(update, &[&(i as i64), &&b"result"[..]])
-                    .await
-                    .unwrap();
-            }
-        })
-        .await;
+        let run = scenario::postgres_run(url, &table).await;
+        let floor = scenario::PostgresFloor::connect(url, &table).await;
+        let query = median_async(2_000, |i| floor.query(i as i64)).await;
+        let commits = median_async(200, |i| floor.two_commits(i as i64)).await;
         send_email(&run, input).await.unwrap();
         let hit = median_async(2_000, |_| send_email(&run, input)).await;
         t.row(
@@ -458,9 +398,6 @@ mod network {
             miss,
             Some(("two commits (INSERT, UPDATE)", commits)),
         );
-        client
-            .batch_execute(&format!("DROP TABLE {table}; DROP TABLE {table}_floor"))
-            .await
-            .unwrap();
+        floor.drop_tables(&table).await;
     }
 }

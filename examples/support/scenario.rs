@@ -1,6 +1,7 @@
 //! The workload both the `bench` example and the criterion benches measure: a
-//! 513-byte email in, a 114-byte message id out, and the hand-written floor of key
-//! derivation to compare against.
+//! 513-byte email in, a 114-byte message id out, and the hand-written floors to compare
+//! against: key derivation, and for the network stores one round trip, one query and
+//! two commits on the same server.
 
 #![allow(dead_code)]
 
@@ -93,4 +94,132 @@ pub fn floor_key(input: &SendEmail) -> [u8; 64] {
         hex[2 * i + 1] = b"0123456789abcdef"[usize::from(b & 15)];
     }
     hex
+}
+
+/// The Redis floor: one `GET` round trip on a plain multiplexed connection.
+#[cfg(feature = "redis")]
+pub struct RedisFloor(redis::aio::MultiplexedConnection);
+
+#[cfg(feature = "redis")]
+impl RedisFloor {
+    pub async fn connect(url: &str) -> RedisFloor {
+        let client = redis::Client::open(url).unwrap();
+        RedisFloor(client.get_multiplexed_async_connection().await.unwrap())
+    }
+
+    /// One round trip: `GET` of a key that does not exist.
+    pub async fn round_trip(&self) {
+        let mut c = self.0.clone();
+        let _: Option<Vec<u8>> = redis::cmd("GET")
+            .arg("idem-bench-floor")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+
+    /// Deletes every key under `prefix` (what a benchmark's store wrote).
+    pub async fn clean(&self, prefix: &str) {
+        let mut c = self.0.clone();
+        let _: () = redis::cmd("EVAL")
+            .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
+            .arg(0)
+            .arg(format!("{prefix}*"))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+}
+
+/// A run on a `RedisStore` under `prefix`.
+#[cfg(feature = "redis")]
+pub async fn redis_run(url: &str, prefix: &str) -> Run {
+    let store = idem::RedisStore::builder(url)
+        .prefix(prefix)
+        .connect()
+        .await
+        .unwrap();
+    Run::new("bench-redis").with_store(store)
+}
+
+/// The Postgres floors, on a table `<table>_floor (k int8 PRIMARY KEY, v bytea)`: one
+/// `SELECT` by primary key, and two commits (an `INSERT`, then an `UPDATE`), as a
+/// claim and a completion are.
+#[cfg(feature = "postgres")]
+pub struct PostgresFloor {
+    client: tokio_postgres::Client,
+    table: String,
+    select: tokio_postgres::Statement,
+    insert: tokio_postgres::Statement,
+    update: tokio_postgres::Statement,
+}
+
+#[cfg(feature = "postgres")]
+impl PostgresFloor {
+    /// Connects (the connection runs on the current runtime) and creates the table.
+    pub async fn connect(url: &str, table: &str) -> PostgresFloor {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let table = format!("{table}_floor");
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE {table} (k int8 PRIMARY KEY, v bytea)"
+            ))
+            .await
+            .unwrap();
+        let prepare = |sql: String| {
+            let client = &client;
+            async move { client.prepare(&sql).await.unwrap() }
+        };
+        let select = prepare(format!("SELECT v FROM {table} WHERE k = $1")).await;
+        let insert = prepare(format!("INSERT INTO {table} (k, v) VALUES ($1, $2)")).await;
+        let update = prepare(format!("UPDATE {table} SET v = $2 WHERE k = $1")).await;
+        PostgresFloor {
+            client,
+            table,
+            select,
+            insert,
+            update,
+        }
+    }
+
+    /// One query: `SELECT` by primary key.
+    pub async fn query(&self, k: i64) {
+        self.client.query_opt(&self.select, &[&k]).await.unwrap();
+    }
+
+    /// Two commits on row `k` (which must not exist yet).
+    pub async fn two_commits(&self, k: i64) {
+        self.client
+            .execute(&self.insert, &[&k, &&b"claim"[..]])
+            .await
+            .unwrap();
+        self.client
+            .execute(&self.update, &[&k, &&b"result"[..]])
+            .await
+            .unwrap();
+    }
+
+    /// Drops the floor table and the store's table `store_table`.
+    pub async fn drop_tables(&self, store_table: &str) {
+        self.client
+            .batch_execute(&format!(
+                "DROP TABLE {store_table}; DROP TABLE {}",
+                self.table
+            ))
+            .await
+            .unwrap();
+    }
+}
+
+/// A run on a `PostgresStore` with its own table.
+#[cfg(feature = "postgres")]
+pub async fn postgres_run(url: &str, table: &str) -> Run {
+    let store = idem::PostgresStore::builder(url)
+        .table(table)
+        .connect()
+        .await
+        .unwrap();
+    Run::new("bench-pg").with_store(store)
 }

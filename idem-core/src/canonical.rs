@@ -56,8 +56,73 @@ impl Drop for Depth {
     }
 }
 
+/// Writes `s` as a JSON string, escaped exactly as serde_json escapes it (`\"`, `\\`,
+/// `\b \f \n \r \t`, other control characters as `\u00xx`; nothing else), so the
+/// canonical form is serde_json's. Runs that need no escaping are found eight bytes at a
+/// time and copied whole.
 fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), Error> {
-    serde_json::to_writer(out, s)
+    let bytes = s.as_bytes();
+    out.reserve(bytes.len() + 2);
+    out.push(b'"');
+    let mut run = 0; // start of the bytes not yet copied
+    let mut i = 0;
+    while i < bytes.len() {
+        if let Some(word) = bytes
+            .get(i..i + 8)
+            .and_then(|w| <[u8; 8]>::try_from(w).ok())
+        {
+            if !any_needs_escape(u64::from_le_bytes(word)) {
+                i += 8;
+                continue;
+            }
+        }
+        let b = bytes[i];
+        if needs_escape(b) {
+            out.extend_from_slice(&bytes[run..i]);
+            write_escape(out, b);
+            run = i + 1;
+        }
+        i += 1;
+    }
+    out.extend_from_slice(&bytes[run..]);
+    out.push(b'"');
+    Ok(())
+}
+
+fn needs_escape(b: u8) -> bool {
+    b < 0x20 || b == b'"' || b == b'\\'
+}
+
+/// Whether any byte of `w` is a control character, `"` or `\`. Exact: the classic
+/// "has a zero byte" / "has a byte less than n" bit tricks, which can misplace the
+/// flag bit but never set one when no byte matches.
+fn any_needs_escape(w: u64) -> bool {
+    const ONES: u64 = u64::MAX / 255;
+    const HIGH: u64 = ONES * 0x80;
+    let has_zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH;
+    let control = w.wrapping_sub(ONES * 0x20) & !w & HIGH;
+    (control | has_zero(w ^ (ONES * u64::from(b'"'))) | has_zero(w ^ (ONES * u64::from(b'\\'))))
+        != 0
+}
+
+fn write_escape(out: &mut Vec<u8>, b: u8) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let short = match b {
+        b'"' => b'"',
+        b'\\' => b'\\',
+        0x08 => b'b',
+        0x0c => b'f',
+        b'\n' => b'n',
+        b'\r' => b'r',
+        b'\t' => b't',
+        _ => {
+            let hex = [HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]];
+            out.extend_from_slice(b"\\u00");
+            out.extend_from_slice(&hex);
+            return;
+        }
+    };
+    out.extend_from_slice(&[b'\\', short]);
 }
 
 fn write_int(out: &mut Vec<u8>, v: impl itoa::Integer) {
@@ -643,7 +708,45 @@ impl ser::Serializer for KeyText<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use std::collections::HashMap;
+
+    fn string(s: &str) -> String {
+        let mut out = Vec::new();
+        write_str(&mut out, s).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn strings_are_escaped_as_serde_json_escapes_them() {
+        // Every byte that needs escaping, at every offset of an 8-byte word, and the
+        // bytes either side of each class boundary.
+        for b in (0u8..0x80).chain([0x7f]) {
+            let c = char::from(b);
+            for at in 0..17 {
+                let s: String = "abcdefghijklmnopq"
+                    .chars()
+                    .take(at)
+                    .chain([c, 'é', c])
+                    .collect();
+                assert_eq!(string(&s), serde_json::to_string(&s).unwrap(), "{s:?}");
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn any_string_is_escaped_as_serde_json_escapes_it(s in "(?s).{0,80}") {
+            prop_assert_eq!(string(&s), serde_json::to_string(&s).unwrap());
+        }
+
+        #[test]
+        fn control_heavy_strings_are_escaped_as_serde_json_escapes_them(
+            s in "[\\x00-\\x21\"\\\\a-z\\x7f-\\u{10ffff}]{0,40}"
+        ) {
+            prop_assert_eq!(string(&s), serde_json::to_string(&s).unwrap());
+        }
+    }
 
     #[test]
     fn a_failed_serialization_leaves_no_entries_behind() {

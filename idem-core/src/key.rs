@@ -191,8 +191,8 @@ impl Key {
             text[len + 1] = HEX[usize::from(b & 0xf)];
             len += 2;
         }
-        // Every byte written above is ASCII.
-        Key(String::from_utf8_lossy(&text[..len]).into())
+        // Every byte written above is ASCII, so this never takes the fallback.
+        Key(std::str::from_utf8(&text[..len]).unwrap_or("_").into())
     }
 
     /// Wraps a key read back from a store or chosen by hand.

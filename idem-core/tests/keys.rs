@@ -91,3 +91,28 @@ mod erased {
         }
     }
 }
+
+/// Keys are stored: a key that changes between versions orphans every stored record,
+/// and retries after an upgrade run again. These pinned values may change only with a
+/// new key version (`idem/key/v2`) and a migration note.
+#[test]
+fn keys_are_stable_across_versions() {
+    let input = serde_json::json!({
+        "to": "ada@example.com",
+        "body": "line one\nline \"two\"\t\\ é \u{1}",
+        "n": [1, 1.5, -0.0, 1e300],
+        "nested": {"b": true, "a": null},
+    });
+    let fingerprint = Fingerprint::of("send_email", &input).unwrap();
+    let key = Key::derive(&KeyParts {
+        tenant: Some("acme"),
+        run_id: "run-42",
+        call_id: None,
+        tool: "send_email",
+        input: &fingerprint,
+    });
+    assert_eq!(
+        key.as_str(),
+        "send_email.c86375d6b13b3f63ac140094535de05d7575f03cbf4cdf4bac2b9d35de250d3c"
+    );
+}
