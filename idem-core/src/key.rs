@@ -375,6 +375,27 @@ mod tests {
         fn streaming_writer_matches_the_reference(v in json()) {
             prop_assert_eq!(canonical_json(&v).unwrap(), reference(&v).unwrap());
         }
+
+        /// Maps in arbitrary order (a `Vec` of pairs serialized as a map), with keys
+        /// that need escaping and keys that are prefixes of each other: sorted by raw
+        /// key, whatever the order written.
+        #[test]
+        fn unordered_maps_match_the_reference(
+            pairs in proptest::collection::vec(
+                ("[a!\"\\\\\\x00\\x1f\\n é]{0,3}", json()), 0..8),
+        ) {
+            struct AsMap<'a>(&'a [(String, Value)]);
+            impl Serialize for AsMap<'_> {
+                fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                    s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+                }
+            }
+            // Duplicate keys are not a map the reference can hold.
+            let mut seen = std::collections::HashSet::new();
+            let pairs: Vec<_> = pairs.into_iter().filter(|(k, _)| seen.insert(k.clone())).collect();
+            let map = AsMap(&pairs);
+            prop_assert_eq!(canonical_json(&map).unwrap(), reference(&map).unwrap());
+        }
     }
 
     fn canon<T: Serialize>(v: &T) -> String {
