@@ -68,8 +68,12 @@ pub(crate) fn millis(d: Duration) -> u64 {
 pub struct Token(pub u128);
 
 impl Token {
-    /// A token unique to this call: 64 random bits drawn once per process (mixed with
-    /// the process id, so a forked child differs), then a counter.
+    /// A token unique to this call: 64 random bits drawn once per process, mixed with
+    /// the wall clock's nanoseconds, then a per-process counter. The counter keeps this
+    /// process's tokens apart, the random bits other processes'; the clock keeps a forked
+    /// child's apart from its parent's (they share the random bits and the counter's
+    /// value) without a system call per token (`getpid` is one, and on a hit it cost
+    /// more than the whole store lookup).
     pub fn generate() -> Result<Self, Error> {
         static SEED: OnceLock<Result<u64, String>> = OnceLock::new();
         static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -79,8 +83,12 @@ impl Token {
                 .map(|()| u64::from_be_bytes(bytes))
                 .map_err(|e| e.to_string())
         });
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
         let seed = match seed {
-            Ok(seed) => *seed ^ u64::from(std::process::id()).rotate_left(32),
+            Ok(seed) => *seed ^ nanos,
             Err(e) => return Err(Error::store("os-random", e.clone())),
         };
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
