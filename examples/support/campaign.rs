@@ -423,7 +423,7 @@ pub fn run_cell(cell: &Cell, worker: &dyn Fn() -> Command) -> Report {
         StoreKind::Sled => dir.path().join("store").display().to_string(),
         _ => cell.location.clone(),
     };
-    let ops = cell.kills * 3 + 6;
+    let mut ops = cell.kills * 3 + 6;
     let mut config = WorkerConfig {
         store: cell.store,
         location,
@@ -455,10 +455,17 @@ pub fn run_cell(cell: &Cell, worker: &dyn Fn() -> Command) -> Report {
 
     let returned = dir.path().join("returned");
     let ledger = dir.path().join("ledger");
-    for _ in 0..cell.kills * 4 + 16 {
+    for _ in 0..cell.kills * 8 + 16 {
         let progress = answered_ops(&returned);
         if progress >= ops {
-            break;
+            if kills_done >= cell.kills {
+                break;
+            }
+            // Kill points that were not reached (a random delay past the run's end, a
+            // body that does not run again under at-most-once) used the ops up: add
+            // some, so every planned kill lands.
+            ops += 3;
+            config.ops = ops;
         }
         let phase = PHASES[(kills_done % PHASES.len() as u32) as usize];
         let planned = (kills_done < cell.kills).then(|| {
@@ -522,6 +529,8 @@ pub fn run_cell(cell: &Cell, worker: &dyn Fn() -> Command) -> Report {
             break;
         }
     }
+
+    report.ops = ops;
 
     // The verification pass: a clean worker replays every op; nothing may run again.
     config.kill = None;
