@@ -719,9 +719,9 @@ mod tests {
 
     #[test]
     fn strings_are_escaped_as_serde_json_escapes_them() {
-        // Every byte that needs escaping, at every offset of an 8-byte word, and the
-        // bytes either side of each class boundary.
-        for b in (0u8..0x80).chain([0x7f]) {
+        // Every ASCII byte (so every one that needs escaping, and those either side of
+        // each class boundary) at every offset of an 8-byte word.
+        for b in 0u8..0x80 {
             let c = char::from(b);
             for at in 0..17 {
                 let s: String = "abcdefghijklmnopq"
