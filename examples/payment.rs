@@ -53,22 +53,9 @@ async fn charge_card(
 ) -> Result<Charge, PaymentError> {
     BODY_RUNS.fetch_add(1, Ordering::SeqCst);
     let key = idem::current_key().ok_or_else(|| PaymentError::Provider("no key".into()))?;
-    let response = http
-        .post(format!("{base}/v1/charges"))
-        .header("Idempotency-Key", key.as_str())
-        .json(&input)
-        .send()
+    let (charge, replayed) = provider::charge(http, base, key.as_str(), &input)
         .await
-        .map_err(|e| PaymentError::Provider(e.to_string()))?;
-    let replayed = response.headers().contains_key("Idempotent-Replayed");
-    if !response.status().is_success() {
-        let text = response.text().await.unwrap_or_default();
-        return Err(PaymentError::Provider(text));
-    }
-    let charge: Charge = response
-        .json()
-        .await
-        .map_err(|e| PaymentError::Provider(e.to_string()))?;
+        .map_err(PaymentError::Provider)?;
     println!(
         "    tool: provider answered {} ({})",
         charge.id,

@@ -35,21 +35,9 @@ async fn charge_card(
     bookkeeping_ms: u64,
 ) -> Result<Charge, PaymentError> {
     let key = idem::current_key().ok_or_else(|| PaymentError::Provider("no key".into()))?;
-    let response = http
-        .post(format!("{base}/v1/charges"))
-        .header("Idempotency-Key", key.as_str())
-        .json(&input)
-        .send()
+    let (charge, _) = provider::charge(http, base, key.as_str(), &input)
         .await
-        .map_err(|e| PaymentError::Provider(e.to_string()))?;
-    if !response.status().is_success() {
-        let text = response.text().await.unwrap_or_default();
-        return Err(PaymentError::Provider(text));
-    }
-    let charge: Charge = response
-        .json()
-        .await
-        .map_err(|e| PaymentError::Provider(e.to_string()))?;
+        .map_err(PaymentError::Provider)?;
     tokio::time::sleep(Duration::from_millis(bookkeeping_ms)).await;
     Ok(charge)
 }

@@ -3,7 +3,8 @@
 //! `Idempotent-Replayed: true`); the same key with other parameters is a 400 error; a
 //! request without a key charges every time. It counts real charges.
 //!
-//! Runs on 127.0.0.1 with an ephemeral port, for tests and examples.
+//! Runs on 127.0.0.1 with an ephemeral port, for tests and examples; [`charge`] is the
+//! client call a payment tool makes.
 
 #![allow(dead_code)]
 
@@ -51,7 +52,7 @@ impl Provider {
     pub async fn start() -> std::io::Result<Provider> {
         let ledger = Arc::new(Mutex::new(Ledger::default()));
         let app = Router::new()
-            .route("/v1/charges", post(charge))
+            .route("/v1/charges", post(handle_charge))
             .with_state(ledger.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -82,7 +83,31 @@ impl Provider {
     }
 }
 
-async fn charge(
+/// What a payment tool sends: one charge request carrying `idempotency_key`. Returns
+/// the charge and whether the provider replayed it (`Idempotent-Replayed`), or the
+/// provider's or the transport's error as text.
+pub async fn charge(
+    http: &reqwest::Client,
+    base: &str,
+    idempotency_key: &str,
+    request: &ChargeRequest,
+) -> Result<(Charge, bool), String> {
+    let response = http
+        .post(format!("{base}/v1/charges"))
+        .header("Idempotency-Key", idempotency_key)
+        .json(request)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let replayed = response.headers().contains_key("Idempotent-Replayed");
+    if !response.status().is_success() {
+        return Err(response.text().await.unwrap_or_default());
+    }
+    let charge = response.json().await.map_err(|e| e.to_string())?;
+    Ok((charge, replayed))
+}
+
+async fn handle_charge(
     State(ledger): State<Arc<Mutex<Ledger>>>,
     headers: HeaderMap,
     Json(request): Json<ChargeRequest>,
