@@ -14,6 +14,23 @@ async fn send(run: &Run, to: &str, value: &str) -> Result<Result<String, Error>,
     .await
 }
 
+/// Opens the database under a closed store with sled itself. sled's background thread
+/// lets go of the directory's lock a moment after the last handle is dropped, so wait
+/// for it as `SledStore::open` does.
+fn open_raw(path: &std::path::Path) -> sled::Db {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match sled::open(path) {
+            Ok(db) => return db,
+            Err(e) if std::time::Instant::now() < deadline => {
+                assert!(e.to_string().contains("could not acquire lock"), "{e}");
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => panic!("the store's lock was never released: {e}"),
+        }
+    }
+}
+
 #[tokio::test]
 async fn corrupt_bytes_are_a_typed_error_naming_the_key_and_nothing_else_is_touched() {
     let dir = tempfile::tempdir().unwrap();
@@ -37,7 +54,7 @@ async fn corrupt_bytes_are_a_typed_error_naming_the_key_and_nothing_else_is_touc
 
     // Damage one record behind idem's back.
     {
-        let db = sled::open(dir.path()).unwrap();
+        let db = open_raw(dir.path());
         let tree = db.open_tree(SledStore::TREE).unwrap();
         tree.insert(bad.as_str(), &b"\x00\x01 not a record"[..])
             .unwrap();
