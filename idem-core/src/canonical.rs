@@ -5,7 +5,7 @@
 //! Maps and structs are the only places that buffer: their entries are written in
 //! place, then sorted by key and rewritten. Everything else streams.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::ops::Range;
 
 use serde::ser::{self, Error as _, Impossible, Serialize};
@@ -15,53 +15,83 @@ use serde_json::Error;
 /// as integers so `1.0` and `1` are one number.
 const EXACT_INT: f64 = 9_007_199_254_740_992.0;
 
-/// Writes `value` canonically at the end of `out`.
-pub(crate) fn write<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result<(), Error> {
-    value.serialize(Canonical { out })
-}
-
-struct Canonical<'a> {
-    out: &'a mut Vec<u8>,
-}
-
 /// How deep arrays and objects may nest. Deeper input is an error rather than a stack
 /// overflow (serde_json's parser stops at the same depth).
-pub(crate) const MAX_DEPTH: u32 = 128;
+const MAX_DEPTH: u32 = 128;
+
+/// A per-thread buffer bigger than this (after a large input) is given back rather than
+/// kept for the next call.
+pub(crate) const SCRATCH_KEEP: usize = 256 * 1024;
+
+/// The buffers objects are sorted with, reused by every input written on a thread, so
+/// steady-state writing allocates nothing.
+struct Scratch {
+    /// The entries of the objects being written, innermost last: each object's
+    /// entries sit above its parent's and are gone before the parent's next entry.
+    entries: Vec<Entry>,
+    /// The copy an object is rewritten from.
+    tail: Vec<u8>,
+}
+
+/// An object entry: where its key text and its canonical value were written.
+type Entry = (Range<usize>, Range<usize>);
 
 thread_local! {
-    static DEPTH: Cell<u32> = const { Cell::new(0) };
+    static SCRATCH: RefCell<Scratch> = const {
+        RefCell::new(Scratch { entries: Vec::new(), tail: Vec::new() })
+    };
 }
 
-/// One level of nesting, given back when dropped (also when serialization fails).
-struct Depth;
-
-impl Depth {
-    fn enter() -> Result<Depth, Error> {
-        DEPTH.with(|d| {
-            if d.get() >= MAX_DEPTH {
-                Err(Error::custom(format!(
-                    "input nested deeper than {MAX_DEPTH} levels"
-                )))
-            } else {
-                d.set(d.get() + 1);
-                Ok(Depth)
-            }
-        })
-    }
+/// Writes `value` canonically at the end of `out`.
+pub(crate) fn write<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result<(), Error> {
+    let mut run = |scratch: &mut Scratch| {
+        // A write that failed half-way may have left entries behind.
+        scratch.entries.clear();
+        let written = value.serialize(Canonical {
+            out: &mut *out,
+            scratch: &mut *scratch,
+            depth: 0,
+        });
+        if scratch.tail.capacity() > SCRATCH_KEEP {
+            scratch.tail = Vec::new();
+        }
+        written
+    };
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => run(&mut scratch),
+        // A `Serialize` impl that writes canonical JSON itself: use fresh buffers.
+        Err(_) => run(&mut Scratch {
+            entries: Vec::new(),
+            tail: Vec::new(),
+        }),
+    })
 }
 
-impl Drop for Depth {
-    fn drop(&mut self) {
-        DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+/// The serializer: where to write, the thread's scratch buffers, and how deep the value
+/// being written is nested.
+struct Canonical<'a> {
+    out: &'a mut Vec<u8>,
+    scratch: &'a mut Scratch,
+    depth: u32,
+}
+
+/// The depth inside a new array or object, or an error past [`MAX_DEPTH`].
+fn enter(depth: u32) -> Result<u32, Error> {
+    if depth >= MAX_DEPTH {
+        Err(Error::custom(format!(
+            "input nested deeper than {MAX_DEPTH} levels"
+        )))
+    } else {
+        Ok(depth + 1)
     }
 }
 
 /// Writes `s` as a JSON string, escaped exactly as serde_json escapes it (`\"`, `\\`,
 /// `\b \f \n \r \t`, other control characters as `\u00xx`; nothing else), so the
 /// canonical form is serde_json's. Runs that need no escaping are found eight bytes at a
-/// time and copied whole.
-fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), Error> {
-    let bytes = s.as_bytes();
+/// time and copied whole. Works on bytes: UTF-8 puts no byte below 0x80 inside a
+/// multi-byte character, so escaping never splits one.
+fn write_str(out: &mut Vec<u8>, bytes: &[u8]) {
     out.reserve(bytes.len() + 2);
     out.push(b'"');
     let mut run = 0; // start of the bytes not yet copied
@@ -86,7 +116,6 @@ fn write_str(out: &mut Vec<u8>, s: &str) -> Result<(), Error> {
     }
     out.extend_from_slice(&bytes[run..]);
     out.push(b'"');
-    Ok(())
 }
 
 fn needs_escape(b: u8) -> bool {
@@ -147,11 +176,10 @@ fn write_f64(out: &mut Vec<u8>, f: f64) -> Result<(), Error> {
 }
 
 /// `{"variant":` — the opening of an externally tagged enum variant.
-fn open_variant(out: &mut Vec<u8>, variant: &str) -> Result<(), Error> {
+fn open_variant(out: &mut Vec<u8>, variant: &str) {
     out.push(b'{');
-    write_str(out, variant)?;
+    write_str(out, variant.as_bytes());
     out.push(b':');
-    Ok(())
 }
 
 impl<'a> ser::Serializer for Canonical<'a> {
@@ -225,10 +253,12 @@ impl<'a> ser::Serializer for Canonical<'a> {
         write_f64(self.out, v)
     }
     fn serialize_char(self, v: char) -> Result<(), Error> {
-        write_str(self.out, v.encode_utf8(&mut [0u8; 4]))
+        write_str(self.out, v.encode_utf8(&mut [0u8; 4]).as_bytes());
+        Ok(())
     }
     fn serialize_str(self, v: &str) -> Result<(), Error> {
-        write_str(self.out, v)
+        write_str(self.out, v.as_bytes());
+        Ok(())
     }
     fn serialize_bytes(self, v: &[u8]) -> Result<(), Error> {
         self.out.push(b'[');
@@ -260,7 +290,8 @@ impl<'a> ser::Serializer for Canonical<'a> {
         _: u32,
         variant: &'static str,
     ) -> Result<(), Error> {
-        write_str(self.out, variant)
+        write_str(self.out, variant.as_bytes());
+        Ok(())
     }
     fn serialize_newtype_struct<T: Serialize + ?Sized>(
         self,
@@ -276,23 +307,18 @@ impl<'a> ser::Serializer for Canonical<'a> {
         variant: &'static str,
         value: &T,
     ) -> Result<(), Error> {
-        let _depth = Depth::enter()?;
-        open_variant(self.out, variant)?;
+        let depth = enter(self.depth)?;
+        open_variant(self.out, variant);
         value.serialize(Canonical {
             out: &mut *self.out,
+            scratch: &mut *self.scratch,
+            depth,
         })?;
         self.out.push(b'}');
         Ok(())
     }
     fn serialize_seq(self, _: Option<usize>) -> Result<Seq<'a>, Error> {
-        let depth = Depth::enter()?;
-        self.out.push(b'[');
-        Ok(Seq {
-            out: self.out,
-            first: true,
-            close_variant: false,
-            _depth: depth,
-        })
+        Seq::new(self, false)
     }
     fn serialize_tuple(self, len: usize) -> Result<Seq<'a>, Error> {
         self.serialize_seq(Some(len))
@@ -307,21 +333,14 @@ impl<'a> ser::Serializer for Canonical<'a> {
         variant: &'static str,
         _: usize,
     ) -> Result<Seq<'a>, Error> {
-        let depth = Depth::enter()?;
-        open_variant(self.out, variant)?;
-        self.out.push(b'[');
-        Ok(Seq {
-            out: self.out,
-            first: true,
-            close_variant: true,
-            _depth: depth,
-        })
+        open_variant(self.out, variant);
+        Seq::new(self, true)
     }
     fn serialize_map(self, _: Option<usize>) -> Result<Map<'a>, Error> {
-        Map::new(self.out, false)
+        Map::new(self, false)
     }
     fn serialize_struct(self, _: &'static str, _: usize) -> Result<Map<'a>, Error> {
-        Map::new(self.out, false)
+        Map::new(self, false)
     }
     fn serialize_struct_variant(
         self,
@@ -330,20 +349,32 @@ impl<'a> ser::Serializer for Canonical<'a> {
         variant: &'static str,
         _: usize,
     ) -> Result<Map<'a>, Error> {
-        open_variant(self.out, variant)?;
-        Map::new(self.out, true)
+        open_variant(self.out, variant);
+        Map::new(self, true)
     }
 }
 
 /// Arrays (and tuples, and tuple variants): streamed.
 struct Seq<'a> {
     out: &'a mut Vec<u8>,
+    scratch: &'a mut Scratch,
+    depth: u32,
     first: bool,
     close_variant: bool,
-    _depth: Depth,
 }
 
-impl Seq<'_> {
+impl<'a> Seq<'a> {
+    fn new(into: Canonical<'a>, close_variant: bool) -> Result<Self, Error> {
+        let depth = enter(into.depth)?;
+        into.out.push(b'[');
+        Ok(Seq {
+            out: into.out,
+            scratch: into.scratch,
+            depth,
+            first: true,
+            close_variant,
+        })
+    }
     fn element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), Error> {
         if !self.first {
             self.out.push(b',');
@@ -351,6 +382,8 @@ impl Seq<'_> {
         self.first = false;
         value.serialize(Canonical {
             out: &mut *self.out,
+            scratch: &mut *self.scratch,
+            depth: self.depth,
         })
     }
     fn finish(self) -> Result<(), Error> {
@@ -407,58 +440,27 @@ impl ser::SerializeTupleVariant for Seq<'_> {
 }
 
 /// Objects (maps, structs, struct variants): entries are written raw after `start`
-/// (key bytes, then the canonical value), then sorted by key and rewritten.
-///
-/// The entry list and the copy made for rewriting live in per-thread buffers that are
-/// reused, so steady-state hashing allocates nothing. Entry lists of nested maps stack
-/// on top of their parent's and are gone before the parent's next entry.
+/// (key text unquoted, then the canonical value), then sorted by key and rewritten.
 struct Map<'a> {
     out: &'a mut Vec<u8>,
-    _depth: Depth,
+    scratch: &'a mut Scratch,
+    depth: u32,
     start: usize,
-    /// Where this map's entries begin on the thread's entry stack.
+    /// Where this object's entries begin on the scratch entry stack.
     base: usize,
-    /// Clears this map's entries off the stack however the map ends (also when
-    /// serialization fails half-way).
-    _entries: EntriesGuard,
     key: Option<Range<usize>>,
     close_variant: bool,
 }
 
-type Entry = (Range<usize>, Range<usize>);
-
-thread_local! {
-    static ENTRIES: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
-    static TAIL: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Truncates the entry stack back to where a map started.
-struct EntriesGuard(usize);
-
-impl Drop for EntriesGuard {
-    fn drop(&mut self) {
-        let base = self.0;
-        let _ = entries(|e| e.truncate(base));
-    }
-}
-
-fn entries<T>(f: impl FnOnce(&mut Vec<Entry>) -> T) -> Result<T, Error> {
-    ENTRIES
-        .with(|e| e.try_borrow_mut().map(|mut e| f(&mut e)))
-        .map_err(|_| Error::custom("canonical writer re-entered"))
-}
-
 impl<'a> Map<'a> {
-    fn new(out: &'a mut Vec<u8>, close_variant: bool) -> Result<Self, Error> {
-        let depth = Depth::enter()?;
-        let start = out.len();
-        let base = entries(|e| e.len())?;
+    fn new(into: Canonical<'a>, close_variant: bool) -> Result<Self, Error> {
+        let depth = enter(into.depth)?;
         Ok(Map {
-            out,
-            _depth: depth,
-            _entries: EntriesGuard(base),
-            start,
-            base,
+            start: into.out.len(),
+            base: into.scratch.entries.len(),
+            out: into.out,
+            scratch: into.scratch,
+            depth,
             key: None,
             close_variant,
         })
@@ -478,47 +480,44 @@ impl<'a> Map<'a> {
         let at = self.out.len();
         value.serialize(Canonical {
             out: &mut *self.out,
+            scratch: &mut *self.scratch,
+            depth: self.depth,
         })?;
         let end = self.out.len();
-        entries(|e| e.push((key, at..end)))
+        self.scratch.entries.push((key, at..end));
+        Ok(())
     }
 
     fn finish(self) -> Result<(), Error> {
-        let (start, base, close_variant) = (self.start, self.base, self.close_variant);
-        let out = self.out;
-        let mut rewrite = |tail: &mut Vec<u8>, stack: &mut Vec<Entry>| -> Result<(), Error> {
-            let mine = stack.get_mut(base..).unwrap_or_default();
-            tail.clear();
-            tail.extend_from_slice(&out[start..]);
-            let bytes = |r: &Range<usize>| &tail[r.start - start..r.end - start];
-            mine.sort_by(|a, b| bytes(&a.0).cmp(bytes(&b.0)));
-            out.truncate(start);
-            out.push(b'{');
-            for (i, (key, value)) in mine.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                let key = std::str::from_utf8(bytes(key)).map_err(Error::custom)?;
-                write_str(out, key)?;
-                out.push(b':');
-                out.extend_from_slice(bytes(value));
+        let Map {
+            out,
+            scratch: Scratch { entries, tail },
+            start,
+            base,
+            close_variant,
+            ..
+        } = self;
+        let mine = entries.get_mut(base..).unwrap_or_default();
+        tail.clear();
+        tail.extend_from_slice(&out[start..]);
+        let bytes = |r: &Range<usize>| &tail[r.start - start..r.end - start];
+        mine.sort_by(|a, b| bytes(&a.0).cmp(bytes(&b.0)));
+        out.truncate(start);
+        out.push(b'{');
+        for (i, (key, value)) in mine.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
             }
+            write_str(out, bytes(key));
+            out.push(b':');
+            out.extend_from_slice(bytes(value));
+        }
+        out.push(b'}');
+        if close_variant {
             out.push(b'}');
-            if close_variant {
-                out.push(b'}');
-            }
-            stack.truncate(base);
-            Ok(())
-        };
-        TAIL.with(|t| {
-            let mut fresh = Vec::new();
-            let mut tail = t.try_borrow_mut();
-            let tail = match &mut tail {
-                Ok(tail) => &mut **tail,
-                Err(_) => &mut fresh,
-            };
-            entries(|stack| rewrite(tail, stack))?
-        })
+        }
+        entries.truncate(base);
+        Ok(())
     }
 }
 
@@ -713,7 +712,7 @@ mod tests {
 
     fn string(s: &str) -> String {
         let mut out = Vec::new();
-        write_str(&mut out, s).unwrap();
+        write_str(&mut out, s.as_bytes());
         String::from_utf8(out).unwrap()
     }
 
@@ -749,20 +748,43 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_serialization_leaves_no_entries_behind() {
+    fn a_failed_serialization_leaves_nothing_behind_for_the_next() {
         #[derive(serde::Serialize)]
         struct Outer {
-            a: u8,
+            z: u8,
             bad: HashMap<(u8, u8), u8>,
         }
+        #[derive(serde::Serialize)]
+        struct Good {
+            b: u8,
+            a: Vec<Vec<u8>>,
+        }
         let bad = Outer {
-            a: 1,
+            z: 1,
             bad: [((1, 2), 3)].into(),
+        };
+        let good = Good {
+            b: 2,
+            a: vec![vec![1]],
         };
         for _ in 0..3 {
             assert!(write(&mut Vec::new(), &bad).is_err());
-            assert_eq!(entries(|e| e.len()).unwrap(), 0);
-            assert_eq!(DEPTH.with(|d| d.get()), 0);
+            let mut out = Vec::new();
+            write(&mut out, &good).unwrap();
+            assert_eq!(out, br#"{"a":[[1]],"b":2}"#);
         }
+    }
+
+    #[test]
+    fn nesting_is_bounded_and_the_bound_is_per_input() {
+        fn nested(depth: u32) -> serde_json::Value {
+            (0..depth).fold(serde_json::json!(1), |v, _| serde_json::json!([v]))
+        }
+        assert!(write(&mut Vec::new(), &nested(MAX_DEPTH)).is_ok());
+        for _ in 0..3 {
+            let err = write(&mut Vec::new(), &nested(MAX_DEPTH + 1)).unwrap_err();
+            assert!(err.to_string().contains("nested deeper"), "{err}");
+        }
+        assert!(write(&mut Vec::new(), &nested(MAX_DEPTH)).is_ok());
     }
 }

@@ -49,9 +49,6 @@ thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// A scratch buffer larger than this is given back after use rather than kept.
-const SCRATCH_KEEP: usize = 256 * 1024;
-
 impl Fingerprint {
     /// Fingerprints a value: SHA-256 over its canonical JSON (see the module docs).
     ///
@@ -85,7 +82,7 @@ impl Fingerprint {
             buf.clear();
             let written = write(buf);
             let digest = written.map(|()| Fingerprint(Sha256::digest(&buf[..]).into()));
-            if buf.capacity() > SCRATCH_KEEP {
+            if buf.capacity() > canonical::SCRATCH_KEEP {
                 *buf = Vec::new();
             }
             digest
