@@ -27,18 +27,18 @@ const BATCHES: usize = 15;
 /// Median time per operation over `BATCHES` batches of `n` calls of `op`.
 fn median(n: usize, mut op: impl FnMut(u64)) -> Duration {
     let mut i = 0u64;
-    let mut times: Vec<Duration> = (0..BATCHES)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..n {
-                i += 1;
-                op(i);
-            }
-            t.elapsed() / n as u32
-        })
-        .collect();
-    times.sort();
-    times[BATCHES / 2]
+    middle(
+        (0..BATCHES)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..n {
+                    i += 1;
+                    op(i);
+                }
+                t.elapsed() / n as u32
+            })
+            .collect(),
+    )
 }
 
 /// [`median`] for async operations, on the current runtime.
@@ -46,15 +46,42 @@ async fn median_async<F: Future>(n: usize, mut op: impl FnMut(u64) -> F) -> Dura
     let mut i = 0u64;
     let mut times = Vec::new();
     for _ in 0..BATCHES {
-        let t = Instant::now();
-        for _ in 0..n {
-            i += 1;
-            op(i).await;
-        }
-        times.push(t.elapsed() / n as u32);
+        times.push(batch(n, &mut i, &mut op).await);
     }
+    middle(times)
+}
+
+/// Medians of `a` and of `b` (what `a` is compared with), measured side by side: each
+/// of `BATCHES` rounds runs a batch of `a`, then a batch of `b`. A machine that speeds
+/// up or slows down during the run (a network round trip here varies from 25 to 100
+/// µs over minutes) moves both alike, so their ratio holds.
+async fn compare<F: Future, G: Future>(
+    n: usize,
+    mut a: impl FnMut(u64) -> F,
+    mut b: impl FnMut(u64) -> G,
+) -> (Duration, Duration) {
+    let (mut i, mut j) = (0u64, 0u64);
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for _ in 0..BATCHES {
+        ta.push(batch(n, &mut i, &mut a).await);
+        tb.push(batch(n, &mut j, &mut b).await);
+    }
+    (middle(ta), middle(tb))
+}
+
+/// Time per call of `n` calls of `op`, numbered on from `i`.
+async fn batch<F: Future>(n: usize, i: &mut u64, op: &mut impl FnMut(u64) -> F) -> Duration {
+    let t = Instant::now();
+    for _ in 0..n {
+        *i += 1;
+        op(*i).await;
+    }
+    t.elapsed() / n as u32
+}
+
+fn middle(mut times: Vec<Duration>) -> Duration {
     times.sort();
-    times[BATCHES / 2]
+    times[times.len() / 2]
 }
 
 /// A row: what, its median, and what it is compared with.
@@ -118,20 +145,23 @@ fn main() {
         std::hint::black_box(send(std::hint::black_box(&input)));
     });
     t.row("direct call of the tool body", direct, None);
-    let floor = median(n, |_| {
-        std::hint::black_box(floor_key(&input));
-    });
     let run = Run::new("bench").with_store(MemoryStore::new());
-    let derive = median(n, |_| {
-        let call = idem::Call::from_args(
-            Some(&run),
-            "send_email",
-            idem::Options::new(),
-            &[&input as &dyn idem::__private::KeyInput],
-            None,
-        );
-        std::hint::black_box(call.unwrap());
-    });
+    let (derive, floor) = rt.block_on(compare(
+        n,
+        |_| async {
+            let call = idem::Call::from_args(
+                Some(&run),
+                "send_email",
+                idem::Options::new(),
+                &[&input as &dyn idem::__private::KeyInput],
+                None,
+            );
+            std::hint::black_box(call.unwrap());
+        },
+        |_| async {
+            std::hint::black_box(floor_key(&input));
+        },
+    ));
     t.row(
         "key derivation (canonical JSON, SHA-256, key)",
         derive,
@@ -155,11 +185,15 @@ fn main() {
             floor_key(&input),
             serde_json::to_vec(&message_id()).unwrap(),
         );
-        let floor = median(n, |_| {
-            let bytes = &map[&floor_key(&input)];
-            std::hint::black_box(serde_json::from_slice::<MessageId>(bytes).unwrap());
-        });
-        let hit = median_async(n, |_| send_email(&run, &input)).await;
+        let (hit, floor) = compare(
+            n,
+            |_| send_email(&run, &input),
+            |_| async {
+                let bytes = &map[&floor_key(&input)];
+                std::hint::black_box(serde_json::from_slice::<MessageId>(bytes).unwrap());
+            },
+        )
+        .await;
         t.row(
             "memory: hit",
             hit,
@@ -177,11 +211,15 @@ fn main() {
             serde_json::to_vec(&message_id()).unwrap(),
         )
         .unwrap();
-        let floor = median(n, |_| {
-            let bytes = raw.get(floor_key(&input)).unwrap().unwrap();
-            std::hint::black_box(serde_json::from_slice::<MessageId>(&bytes).unwrap());
-        });
-        let hit = median_async(n, |_| send_email(&run, &input)).await;
+        let (hit, floor) = compare(
+            n,
+            |_| send_email(&run, &input),
+            |_| async {
+                let bytes = raw.get(floor_key(&input)).unwrap().unwrap();
+                std::hint::black_box(serde_json::from_slice::<MessageId>(&bytes).unwrap());
+            },
+        )
+        .await;
         t.row("sled: hit", hit, Some(("key + sled get + decode", floor)));
 
         use cached::IOCached;
@@ -192,10 +230,15 @@ fn main() {
         // What `#[io_cached(disk = true, convert = ..)]` does per call: build the key
         // from the arguments, then read the disk cache.
         disk.cache_set(format!("{input:?}"), message_id()).unwrap();
-        let cached_hit = median(n, |_| {
-            let key = format!("{input:?}");
-            std::hint::black_box(disk.cache_get(&key).unwrap().unwrap());
-        });
+        let (hit, cached_hit) = compare(
+            n,
+            |_| send_email(&run, &input),
+            |_| async {
+                let key = format!("{input:?}");
+                std::hint::black_box(disk.cache_get(&key).unwrap().unwrap());
+            },
+        )
+        .await;
         t.row(
             "sled: hit",
             hit,
@@ -228,20 +271,26 @@ fn main() {
             t.row(&format!("sled: hit, {records} records stored"), hit, None);
         }
 
+        // The floor writes what a miss writes: a claim record, then the result record,
+        // under a key as long as idem's.
         let m = 40;
-        let mut k = 0u64;
-        let floor = median(m, |_| {
-            k += 1;
-            raw.insert(k.to_be_bytes(), &b"claim"[..]).unwrap();
-            raw.flush().unwrap();
-            raw.insert(k.to_be_bytes(), &b"result"[..]).unwrap();
-            raw.flush().unwrap();
-        });
+        let floor_key_of = |k: u64| format!("send_email.{k:064}");
+        let (claim, result) = ([0u8; 78], [0u8; 170]);
+        let raw = &raw;
         let run = Run::new("bench-sled-miss").with_store(store.clone());
-        let serial = median_async(m, |i| {
-            let run = run.clone();
-            async move { send_email(&run, &email(1_000_000 + i, BODY)).await.unwrap() }
-        })
+        let (serial, floor) = compare(
+            m,
+            |i| {
+                let run = run.clone();
+                async move { send_email(&run, &email(1_000_000 + i, BODY)).await.unwrap() }
+            },
+            |k| async move {
+                raw.insert(floor_key_of(k), &claim[..]).unwrap();
+                raw.flush().unwrap();
+                raw.insert(floor_key_of(k), &result[..]).unwrap();
+                raw.flush().unwrap();
+            },
+        )
         .await;
         t.row(
             "sled: miss, durable, serial",
@@ -280,20 +329,26 @@ fn main() {
             .open()
             .unwrap();
         let log = std::fs::File::open(dir.path().join("floor").join("db")).unwrap();
-        let floor = median(m, |_| {
-            k += 1;
-            raw.insert(k.to_be_bytes(), &b"claim"[..]).unwrap();
-            raw.flush().unwrap();
-            log.sync_data().unwrap();
-            raw.insert(k.to_be_bytes(), &b"result"[..]).unwrap();
-            raw.flush().unwrap();
-            log.sync_data().unwrap();
-        });
         let run = Run::new("bench-sled-fsync").with_store(synced);
-        let synced_serial = median_async(m, |i| {
-            let run = run.clone();
-            async move { send_email(&run, &email(2_000_000 + i, BODY)).await.unwrap() }
-        })
+        let (synced_serial, floor) = compare(
+            m,
+            |i| {
+                let run = run.clone();
+                async move { send_email(&run, &email(2_000_000 + i, BODY)).await.unwrap() }
+            },
+            |k| {
+                let log = &log;
+                let raw = &raw;
+                async move {
+                    raw.insert(floor_key_of(1_000_000 + k), &claim[..]).unwrap();
+                    raw.flush().unwrap();
+                    log.sync_data().unwrap();
+                    raw.insert(floor_key_of(1_000_000 + k), &result[..]).unwrap();
+                    raw.flush().unwrap();
+                    log.sync_data().unwrap();
+                }
+            },
+        )
         .await;
         t.row(
             "sled, fsync mode: miss, serial",
@@ -361,15 +416,27 @@ mod network {
         let prefix = format!("idem-bench-{}:", std::process::id());
         let run = scenario::redis_run(url, &prefix).await;
         let floor = scenario::RedisFloor::connect(url).await;
-        let rt = median_async(2_000, |_| floor.round_trip()).await;
         send_email(&run, input).await.unwrap();
-        let hit = median_async(2_000, |_| send_email(&run, input)).await;
-        t.row("redis: hit", hit, Some(("one round trip (GET)", rt)));
-        let miss = median_async(500, |i| {
-            let run = run.clone();
-            async move { send_email(&run, &email(2_000_000 + i, BODY)).await.unwrap() }
-        })
+        let (hit, rt) = compare(
+            500,
+            |_| send_email(&run, input),
+            |_| floor.round_trip(),
+        )
         .await;
+        t.row("redis: hit", hit, Some(("one round trip (GET)", rt)));
+        let (miss, two) = compare(
+            200,
+            |i| {
+                let run = run.clone();
+                async move { send_email(&run, &email(2_000_000 + i, BODY)).await.unwrap() }
+            },
+            |_| async {
+                floor.round_trip().await;
+                floor.round_trip().await;
+            },
+        )
+        .await;
+        t.row("redis: miss", miss, Some(("two round trips (GET, GET)", two)));
         t.row("redis: miss", miss, Some(("one round trip (GET)", rt)));
         floor.clean(&prefix).await;
     }
@@ -379,19 +446,28 @@ mod network {
         let table = format!("idem_bench_{}", std::process::id());
         let run = scenario::postgres_run(url, &table).await;
         let floor = scenario::PostgresFloor::connect(url, &table).await;
-        let query = median_async(2_000, |i| floor.query(i as i64)).await;
-        let commits = median_async(200, |i| floor.two_commits(i as i64)).await;
         send_email(&run, input).await.unwrap();
-        let hit = median_async(2_000, |_| send_email(&run, input)).await;
+        // The floor reads a row that exists, as a hit does.
+        floor.two_commits(0).await;
+        let (hit, query) = compare(
+            500,
+            |_| send_email(&run, input),
+            |_| floor.query(0),
+        )
+        .await;
         t.row(
             "postgres: hit",
             hit,
             Some(("one SELECT by primary key", query)),
         );
-        let miss = median_async(200, |i| {
-            let run = run.clone();
-            async move { send_email(&run, &email(3_000_000 + i, BODY)).await.unwrap() }
-        })
+        let (miss, commits) = compare(
+            100,
+            |i| {
+                let run = run.clone();
+                async move { send_email(&run, &email(3_000_000 + i, BODY)).await.unwrap() }
+            },
+            |i| floor.two_commits(i as i64),
+        )
         .await;
         t.row(
             "postgres: miss",
