@@ -343,7 +343,8 @@ fn main() {
                     raw.insert(floor_key_of(1_000_000 + k), &claim[..]).unwrap();
                     raw.flush().unwrap();
                     log.sync_data().unwrap();
-                    raw.insert(floor_key_of(1_000_000 + k), &result[..]).unwrap();
+                    raw.insert(floor_key_of(1_000_000 + k), &result[..])
+                        .unwrap();
                     raw.flush().unwrap();
                     log.sync_data().unwrap();
                 }
@@ -417,12 +418,7 @@ mod network {
         let run = scenario::redis_run(url, &prefix).await;
         let floor = scenario::RedisFloor::connect(url).await;
         send_email(&run, input).await.unwrap();
-        let (hit, rt) = compare(
-            500,
-            |_| send_email(&run, input),
-            |_| floor.round_trip(),
-        )
-        .await;
+        let (hit, rt) = compare(500, |_| send_email(&run, input), |_| floor.round_trip()).await;
         t.row("redis: hit", hit, Some(("one round trip (GET)", rt)));
         let (miss, two) = compare(
             200,
@@ -436,7 +432,11 @@ mod network {
             },
         )
         .await;
-        t.row("redis: miss", miss, Some(("two round trips (GET, GET)", two)));
+        t.row(
+            "redis: miss",
+            miss,
+            Some(("two round trips (GET, GET)", two)),
+        );
         t.row("redis: miss", miss, Some(("one round trip (GET)", rt)));
         floor.clean(&prefix).await;
     }
@@ -444,17 +444,11 @@ mod network {
     #[cfg(feature = "postgres")]
     pub async fn postgres(url: &str, input: &scenario::SendEmail, t: &mut Table) {
         let table = format!("idem_bench_{}", std::process::id());
-        let run = scenario::postgres_run(url, &table).await;
-        let floor = scenario::PostgresFloor::connect(url, &table).await;
+        let (run, floor) = scenario::postgres_run(url, &table).await;
         send_email(&run, input).await.unwrap();
         // The floor reads a row that exists, as a hit does.
         floor.two_commits(0).await;
-        let (hit, query) = compare(
-            500,
-            |_| send_email(&run, input),
-            |_| floor.query(0),
-        )
-        .await;
+        let (hit, query) = compare(500, |_| send_email(&run, input), |_| floor.query(0)).await;
         t.row(
             "postgres: hit",
             hit,

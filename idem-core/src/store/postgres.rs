@@ -26,10 +26,23 @@
 //! Every time comes from the **database clock** (`now()`), so workers with skewed
 //! clocks agree on leases and expiry.
 //!
-//! - **claim** first reads the row and the database time in one `SELECT`; a completed
-//!   row (the hit path), a live claim or another fingerprint needs nothing more. When
-//!   the key is claimable, one atomic statement claims it, deciding again under the
-//!   row lock:
+//! - **claim** is one statement in the common cases: it inserts a fresh claim if the
+//!   key has no row, and reads the row that was there and the database time:
+//!
+//!   ```sql
+//!   WITH fresh AS (INSERT INTO idem_records (key, ...) VALUES ($1, ...)
+//!                  ON CONFLICT (key) DO NOTHING RETURNING 1)
+//!   SELECT r.*, now(), (SELECT count(*) FROM fresh)
+//!   FROM (SELECT 1) AS one LEFT JOIN idem_records AS r ON r.key = $1
+//!   ```
+//!
+//!   A first call (the miss path) is claimed by it, so a miss is two statements and two
+//!   commits: this one and the completion. When the key has a row, `DO NOTHING` takes
+//!   no lock and writes nothing (the transaction stays read-only), and the row read
+//!   back decides: a completed row (the hit path), a live claim or another fingerprint
+//!   needs nothing more, so a hit is one statement too. When the row is claimable
+//!   (expired, abandoned, failed), a second statement claims it, deciding again under
+//!   the row lock:
 //!
 //!   ```sql
 //!   INSERT INTO idem_records AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at)
@@ -42,7 +55,7 @@
 //!   RETURNING 1
 //!   ```
 //!
-//!   No row back means another caller won in between: the claim reads again and
+//!   No row back means another caller won in between: the claim starts over and
 //!   reports what it finds.
 //! - **complete**: `UPDATE .. SET state = 1, payload = $p, expires_at = now() + ttl
 //!   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`.
@@ -59,6 +72,8 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+
+pub use deadpool_postgres;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
@@ -190,6 +205,7 @@ fn quote_table(name: &str) -> Result<String, Error> {
 /// The statements, with the table name filled in.
 struct Sql {
     read: String,
+    claim_fresh: String,
     claim: String,
     complete: String,
     release: String,
@@ -204,19 +220,29 @@ fn ms(expr: &str) -> String {
 
 impl Sql {
     fn new(t: &str) -> Self {
+        // The row under `$1` (all NULL if there is none) and the database time.
+        let read = format!(
+            "SELECT r.fingerprint, r.state, r.token, {lease}, r.payload, {created}, {expires}, {now}",
+            lease = ms("r.lease_until"),
+            created = ms("r.created_at"),
+            expires = ms("r.expires_at"),
+            now = ms("now()"),
+        );
+        let from = format!("FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1");
+        // A claim of `$1`: fingerprint, token, lease ms, ttl ms.
+        let insert = format!(
+            "INSERT INTO {t} AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at) \
+             VALUES ($1, $2, 0, $3, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
+                     now() + $5::int8 * interval '1 millisecond')"
+        );
         Sql {
-            read: format!(
-                "SELECT r.fingerprint, r.state, r.token, {lease}, r.payload, {created}, {expires}, {now} \
-                 FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1",
-                lease = ms("r.lease_until"),
-                created = ms("r.created_at"),
-                expires = ms("r.expires_at"),
-                now = ms("now()"),
+            read: format!("{read} {from}"),
+            claim_fresh: format!(
+                "WITH fresh AS ({insert} ON CONFLICT (key) DO NOTHING RETURNING 1) \
+                 {read}, (SELECT count(*) FROM fresh) {from}"
             ),
             claim: format!(
-                "INSERT INTO {t} AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at) \
-                 VALUES ($1, $2, 0, $3, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
-                         now() + $5::int8 * interval '1 millisecond') \
+                "{insert} \
                  ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 0, \
                      token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, payload = NULL, \
                      created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at \
@@ -269,6 +295,14 @@ impl PostgresStore {
     /// The table, quoted as it appears in SQL.
     pub fn table(&self) -> &str {
         &self.inner.table
+    }
+
+    /// The store's connection pool, to run your own statements on the same
+    /// connections (a health check, or a benchmark's floor on the same server
+    /// process). This module re-exports [`deadpool_postgres`], so its version always
+    /// matches the store's.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
     }
 
     /// Creates the table and its index if they are missing (idempotent; safe to run from
@@ -401,9 +435,35 @@ impl Store for PostgresStore {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         self.bounded(async {
             let client = self.client().await?;
+            let token = request.token.0.to_be_bytes();
             for _ in 0..CLAIM_ATTEMPTS {
-                let (current, now) = self.read(&client, key).await?;
-                let (claim, write) = decide_claim(current.as_ref(), request, now);
+                let stmt = client
+                    .prepare_cached(&self.inner.sql.claim_fresh)
+                    .await
+                    .map_err(pg_error)?;
+                let row = client
+                    .query_one(
+                        &stmt,
+                        &[
+                            &key.as_str(),
+                            &request.fingerprint.as_bytes().as_slice(),
+                            &token.as_slice(),
+                            &millis(request.lease),
+                            &millis(request.ttl),
+                        ],
+                    )
+                    .await
+                    .map_err(pg_error)?;
+                if row.try_get::<_, i64>(8).map_err(pg_error)? == 1 {
+                    return Ok(Claim::Acquired { took_over: false });
+                }
+                let now = Timestamp(row.try_get::<_, i64>(7).map_err(pg_error)?.max(0) as u64);
+                let Some(current) = decode_row(key, &row)? else {
+                    // Not inserted, yet no row to see: another caller's claim committed
+                    // after this statement's snapshot was taken. Look again.
+                    continue;
+                };
+                let (claim, write) = decide_claim(Some(&current), request, now);
                 if write.is_none() {
                     return Ok(claim);
                 }
@@ -411,7 +471,6 @@ impl Store for PostgresStore {
                     .prepare_cached(&self.inner.sql.claim)
                     .await
                     .map_err(pg_error)?;
-                let token = request.token.0.to_be_bytes();
                 let claimed = client
                     .query_opt(
                         &stmt,
