@@ -168,49 +168,12 @@ fn sled_miss(c: &mut Criterion) {
     group.finish();
 }
 
-/// A sled store holding `records` completed records (written directly, for speed),
-/// expiring after `ttl`.
-fn filled_store(dir: &std::path::Path, records: u64, ttl: Duration) -> SledStore {
-    {
-        let db = sled::open(dir).unwrap();
-        let tree = db.open_tree(SledStore::TREE).unwrap();
-        let now = idem::record::Timestamp::now();
-        let result = serde_json::to_vec(&message_id()).unwrap();
-        let run = Run::new("bench-size").with_store(MemoryStore::new());
-        let mut batch = sled::Batch::default();
-        for i in 0..records {
-            let call = idem::Call::new(
-                Some(&run),
-                "send_email",
-                idem::Options::new(),
-                &[&email(i, BODY)],
-            )
-            .unwrap();
-            let record = idem::Record {
-                fingerprint: *call.fingerprint(),
-                created_at: now,
-                expires_at: now.after(ttl),
-                state: idem::State::Completed {
-                    result: result.clone(),
-                },
-            };
-            batch.insert(call.key().as_str(), record.encode());
-            if i % 10_000 == 9_999 {
-                tree.apply_batch(std::mem::take(&mut batch)).unwrap();
-            }
-        }
-        tree.apply_batch(batch).unwrap();
-        db.flush().unwrap();
-    }
-    SledStore::open(dir).unwrap()
-}
-
 fn sled_hit_by_size(c: &mut Criterion) {
     let rt = runtime();
     let mut group = c.benchmark_group("sled_hit_by_size");
     for records in [1_000u64, 100_000, 1_000_000] {
         let dir = tempfile::tempdir().unwrap();
-        let store = filled_store(dir.path(), records, Duration::from_secs(3600));
+        let store = scenario::filled_store(dir.path(), records, Duration::from_secs(3600));
         let run = Run::new("bench-size").with_store(store);
         let probe = email(records / 2, BODY);
         group.bench_function(BenchmarkId::from_parameter(records), |b| {
@@ -231,7 +194,8 @@ fn sled_purge(c: &mut Criterion) {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
                     let dir = tempfile::tempdir().unwrap();
-                    let store = filled_store(dir.path(), records, Duration::from_millis(1));
+                    let store =
+                        scenario::filled_store(dir.path(), records, Duration::from_millis(1));
                     std::thread::sleep(Duration::from_millis(5));
                     let t = Instant::now();
                     let removed = rt.block_on(idem::Store::purge_expired(&store)).unwrap();

@@ -41,16 +41,6 @@ fn median(n: usize, mut op: impl FnMut(u64)) -> Duration {
     )
 }
 
-/// [`median`] for async operations, on the current runtime.
-async fn median_async<F: Future>(n: usize, mut op: impl FnMut(u64) -> F) -> Duration {
-    let mut i = 0u64;
-    let mut times = Vec::new();
-    for _ in 0..BATCHES {
-        times.push(batch(n, &mut i, &mut op).await);
-    }
-    middle(times)
-}
-
 /// Medians of `a` and of `b` (what `a` is compared with), measured side by side: each
 /// of `BATCHES` rounds runs a batch of `a`, then a batch of `b`. A machine that speeds
 /// up or slows down during the run (a network round trip here varies from 25 to 100
@@ -245,30 +235,29 @@ fn main() {
             Some(("cached 0.56 disk hit (key + get)", cached_hit)),
         );
 
-        for records in [1_000u64, 100_000] {
+        for records in [1_000u64, 100_000, 1_000_000] {
             let dir = tempfile::tempdir().unwrap();
-            let store = SledStore::open(dir.path()).unwrap();
-            let run = Run::new("bench-size").with_store(store);
-            let fill = Instant::now();
-            let tasks: Vec<_> = (0..64u64)
-                .map(|w| {
-                    let run = run.clone();
-                    tokio::spawn(async move {
-                        let mut i = w;
-                        while i < records {
-                            send_email(&run, &email(i, BODY)).await.unwrap();
-                            i += 64;
-                        }
-                    })
-                })
-                .collect();
-            for task in tasks {
-                task.await.unwrap();
-            }
-            let _ = fill;
+            let run = Run::new("bench-size").with_store(scenario::filled_store(
+                &dir.path().join("idem"),
+                records,
+                Duration::from_secs(3600),
+            ));
             let probe = email(records / 2, BODY);
-            let hit = median_async(n / 4, |_| send_email(&run, &probe)).await;
-            t.row(&format!("sled: hit, {records} records stored"), hit, None);
+            let raw = scenario::filled_floor(&dir.path().join("floor"), records, &probe);
+            let (hit, floor) = compare(
+                n / 4,
+                |_| send_email(&run, &probe),
+                |_| async {
+                    let bytes = raw.get(floor_key(&probe)).unwrap().unwrap();
+                    std::hint::black_box(serde_json::from_slice::<MessageId>(&bytes).unwrap());
+                },
+            )
+            .await;
+            t.row(
+                &format!("sled: hit, {records} records stored"),
+                hit,
+                Some(("key + sled get + decode, as many", floor)),
+            );
         }
 
         // The floor writes what a miss writes: a claim record, then the result record,
