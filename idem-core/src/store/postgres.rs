@@ -363,8 +363,7 @@ impl PostgresStore {
             .query_one(&stmt, &[&key.as_str()])
             .await
             .map_err(pg_error)?;
-        let now = Timestamp(row.try_get::<_, i64>(7).map_err(pg_error)?.max(0) as u64);
-        Ok((decode_row(key, &row)?, now))
+        decode_read(key, &row)
     }
 
     async fn modified(
@@ -376,6 +375,13 @@ impl PostgresStore {
         let stmt = client.prepare_cached(sql).await.map_err(pg_error)?;
         client.execute(&stmt, params).await.map_err(pg_error)
     }
+}
+
+/// What a row of the `read` query holds: the record (`None` if the key has no row) and
+/// the database time.
+fn decode_read(key: &Key, row: &Row) -> Result<(Option<Record>, Timestamp), Error> {
+    let now = Timestamp(row.try_get::<_, i64>(7).map_err(pg_error)?.max(0) as u64);
+    Ok((decode_row(key, row)?, now))
 }
 
 /// The record in a row of the `read` query, or `None` if the key has no row.
@@ -457,8 +463,7 @@ impl Store for PostgresStore {
                 if row.try_get::<_, i64>(8).map_err(pg_error)? == 1 {
                     return Ok(Claim::Acquired { took_over: false });
                 }
-                let now = Timestamp(row.try_get::<_, i64>(7).map_err(pg_error)?.max(0) as u64);
-                let Some(current) = decode_row(key, &row)? else {
+                let (Some(current), now) = decode_read(key, &row)? else {
                     // Not inserted, yet no row to see: another caller's claim committed
                     // after this statement's snapshot was taken. Look again.
                     continue;
