@@ -131,10 +131,7 @@ fn sled_miss(c: &mut Criterion) {
     group.bench_function("floor/two flushes", |b| {
         b.iter(|| {
             k += 1;
-            raw.insert(k.to_be_bytes(), &b"claim"[..]).unwrap();
-            raw.flush().unwrap();
-            raw.insert(k.to_be_bytes(), &b"result"[..]).unwrap();
-            raw.flush().unwrap();
+            scenario::sled_two_flushes(&raw, k, None);
         })
     });
     let mut next = 0u64;

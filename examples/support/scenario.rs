@@ -115,6 +115,20 @@ pub fn filled_floor(dir: &std::path::Path, records: u64, probe: &SendEmail) -> s
     db
 }
 
+/// The floor of a durable sled miss, the plain way: what a miss writes (a claim-sized
+/// value, then a result-sized one, under a key as long as idem's), each made durable by
+/// a flush, and in fsync mode also an `fdatasync` of the database's log file `log`.
+pub fn sled_two_flushes(raw: &sled::Db, k: u64, log: Option<&std::fs::File>) {
+    let key = format!("send_email.{k:064}");
+    for value in [&[0u8; 78][..], &[0u8; 170][..]] {
+        raw.insert(&key, value).unwrap();
+        raw.flush().unwrap();
+        if let Some(log) = log {
+            log.sync_data().unwrap();
+        }
+    }
+}
+
 /// Writes `records` entries made by `entry` into `tree`, one insert each (as a store
 /// fills), then flushes. Not `apply_batch`: sled 0.34 leaves a tree filled by large
 /// batches with nodes it does not split, and a get there takes 8 to 15 µs from 3·10⁵
