@@ -391,7 +391,8 @@ where
     let mut poll = POLL_START;
     let mut waiting = wait::Waiting::new(key);
     let result = loop {
-        match store.claim(key, &request).await {
+        // Through `&dyn Store`: the `Arc`'s own `Store` impl would box a second future.
+        match (*store).claim(key, &request).await {
             Err(e) => break Err(e),
             Ok(Claim::Acquired { took_over }) => {
                 if took_over {
@@ -507,8 +508,7 @@ where
         Ok(_) => Outcome::Completed(&bytes),
         Err(_) => Outcome::Failed(&bytes),
     };
-    let fenced = owner
-        .store
+    let fenced = (*owner.store)
         .complete(key, owner.token, outcome, call.options.ttl)
         .await;
     wait::notify(key);
@@ -535,7 +535,7 @@ async fn unstorable(call: &Call, owner: &Owner, error: Error) -> Error {
 }
 
 async fn release(call: &Call, owner: &Owner) {
-    match owner.store.release(&call.key, owner.token).await {
+    match (*owner.store).release(&call.key, owner.token).await {
         Ok(Fenced::Applied) => {}
         Ok(Fenced::LostLease) => {
             tracing::debug!(tool = %call.tool, key = %call.key, "idem: release found the key taken over")
