@@ -17,7 +17,8 @@
 //! ```
 //!
 //! 1. **Claim** the key. Completed with the same fingerprint: replay the stored value,
-//!    the operation does not run. Another fingerprint: [`Error::PayloadMismatch`].
+//!    the operation does not run (an in-process store answers this case before the
+//!    claim, through [`Store::completed_result`]). Another fingerprint: [`Error::PayloadMismatch`].
 //!    Held by a live lease: wait (bounded; woken in-process, polling otherwise) or fail
 //!    fast with [`Error::InProgress`]. Lease expired: take over and run
 //!    ([`Delivery::AtLeastOnce`](crate::Delivery)) or [`Error::OutcomeUnknown`]
@@ -377,7 +378,12 @@ where
     C: ErrorPolicy<R::Err>,
     P: Pause,
 {
-    let store = call.run.store()?;
+    let store = call.run.store_ref()?;
+    let key = &call.key;
+    if let Some(bytes) = (**store).completed_result(key, &call.fingerprint) {
+        tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
+        return replay::<R>(key, &bytes);
+    }
     let request = ClaimRequest {
         fingerprint: call.fingerprint,
         token: Token::generate()?,
@@ -386,13 +392,12 @@ where
         take_over_expired: call.options.delivery == Delivery::AtLeastOnce,
         retry_failed: !C::CACHES,
     };
-    let key = &call.key;
     let mut started: Option<Instant> = None;
     let mut poll = POLL_START;
     let mut waiting = wait::Waiting::new(key);
     let result = loop {
         // Through `&dyn Store`: the `Arc`'s own `Store` impl would box a second future.
-        match (*store).claim(key, &request).await {
+        match (**store).claim(key, &request).await {
             Err(e) => break Err(e),
             Ok(Claim::Acquired { took_over }) => {
                 if took_over {
@@ -401,18 +406,13 @@ where
                     tracing::debug!(tool = %call.tool, %key, "idem: miss, running");
                 }
                 break Ok(Acquired::Owner(Owner {
-                    store,
+                    store: store.into_owned(),
                     token: request.token,
                 }));
             }
             Ok(Claim::Completed(bytes)) => {
                 tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
-                break serde_json::from_slice::<R::Ok>(&bytes)
-                    .map(|value| Acquired::Replay(R::from_result(Ok(value))))
-                    .map_err(|source| Error::StoredResult {
-                        key: key.to_string(),
-                        source,
-                    });
+                break replay::<R>(key, &bytes);
             }
             Ok(Claim::Failed(bytes)) => {
                 tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored error");
@@ -458,6 +458,16 @@ where
     };
     drop(waiting);
     result
+}
+
+/// A stored result, decoded for replay.
+fn replay<R: ToolOutput>(key: &Key, bytes: &[u8]) -> Result<Acquired<R>, Error> {
+    serde_json::from_slice::<R::Ok>(bytes)
+        .map(|value| Acquired::Replay(R::from_result(Ok(value))))
+        .map_err(|source| Error::StoredResult {
+            key: key.to_string(),
+            source,
+        })
 }
 
 async fn finish<R, C>(call: &Call, owner: Owner, output: R) -> Result<R, Error>

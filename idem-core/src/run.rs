@@ -1,6 +1,7 @@
 //! The run context: who is calling (run id, tenant, call id) and which store keeps the
 //! records; ambient for a future or a closure, or passed as an argument.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -104,9 +105,15 @@ impl Run {
     /// The store of this run: the one given with [`Run::with_store`], else the default
     /// store (opened on first use; opening can fail, hence the `Result`).
     pub fn store(&self) -> Result<Arc<dyn Store>, Error> {
+        self.store_ref().map(Cow::into_owned)
+    }
+
+    /// [`Run::store`] without touching the `Arc`'s count when the run has its own store:
+    /// every thread's hits would contend on that one counter.
+    pub(crate) fn store_ref(&self) -> Result<Cow<'_, Arc<dyn Store>>, Error> {
         match &self.inner.store {
-            Some(store) => Ok(store.clone()),
-            None => default_store(),
+            Some(store) => Ok(Cow::Borrowed(store)),
+            None => default_store().map(Cow::Owned),
         }
     }
 

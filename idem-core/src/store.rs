@@ -125,6 +125,28 @@ pub trait Store: Send + Sync + 'static {
     fn max_result_bytes(&self) -> usize {
         DEFAULT_MAX_RESULT_BYTES
     }
+
+    /// The hit path without a claim: the stored result if `key` holds a live, completed
+    /// record for `fingerprint` and the store can tell at once, without waiting on I/O.
+    /// Otherwise `None`, and the caller goes on to [`Store::claim`], which stays the
+    /// authority on everything else (a record that cannot be read is `None` here, and
+    /// `claim` reports the error).
+    ///
+    /// The default answers `None`, which is always correct; the memory and sled stores
+    /// answer from their maps. A hit answered here skips the claim's fencing token and
+    /// boxed future: about 5% of an in-process hit.
+    fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
+        let _ = (key, fingerprint);
+        None
+    }
+}
+
+/// Whether a claim on `record` would replay its result: the record is live, completed,
+/// and for `fingerprint` (the rule [`Store::completed_result`] answers by).
+pub fn is_replayable(record: &Record, fingerprint: &Fingerprint, now: Timestamp) -> bool {
+    !record.is_expired(now)
+        && record.fingerprint == *fingerprint
+        && matches!(record.state, State::Completed { .. })
 }
 
 /// The result size every built-in store accepts: 4 MiB. Redis (512 MiB per value) and
@@ -162,6 +184,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn max_result_bytes(&self) -> usize {
         (**self).max_result_bytes()
+    }
+    fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
+        (**self).completed_result(key, fingerprint)
     }
 }
 

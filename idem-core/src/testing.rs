@@ -42,6 +42,7 @@ pub async fn run_all(store: Arc<dyn Store>) {
     expired_lease_is_abandoned_without_takeover(&*store).await;
     expired_record_is_absent(&*store).await;
     failed_outcome_is_replayed_or_retried(&*store).await;
+    completed_result_answers_only_live_completed_records(&*store).await;
     fenced_writes_on_unclaimed_key_are_rejected(&*store).await;
     purge_removes_only_expired(&*store).await;
     concurrent_claims_have_one_winner(store.clone()).await;
@@ -344,6 +345,50 @@ pub async fn failed_outcome_is_replayed_or_retried(store: &dyn Store) {
         claim == Claim::Acquired { took_over: false },
         "retrying claim returned {claim:?}"
     );
+}
+
+/// [`Store::completed_result`], the hit path without a claim, answers only for a live,
+/// completed record of the same fingerprint, and then with the stored bytes. (`None`
+/// everywhere, the default, passes.)
+pub async fn completed_result_answers_only_live_completed_records(store: &dyn Store) {
+    let name = "completed_result_answers_only_live_completed_records";
+    let no_answer = |what: &str, key: &Key, fingerprint: Fingerprint| {
+        let answer = store.completed_result(key, &fingerprint);
+        check!(name, answer.is_none(), "{what}: answered {answer:?}");
+    };
+    let key = unique_key(name);
+    no_answer("absent key", &key, fp(11));
+    let req = request(fp(11), LONG, SHORT);
+    ok(name, store.claim(&key, &req).await).await;
+    no_answer("in progress", &key, fp(11));
+    ok(
+        name,
+        store
+            .complete(&key, req.token, Outcome::Completed(b"\"m-2\""), SHORT)
+            .await,
+    )
+    .await;
+    let answer = store.completed_result(&key, &fp(11));
+    check!(
+        name,
+        answer.is_none() || answer.as_deref() == Some(&b"\"m-2\""[..]),
+        "completed: answered {answer:?}"
+    );
+    no_answer("another fingerprint", &key, fp(12));
+    tokio::time::sleep(PAST_SHORT).await;
+    no_answer("expired", &key, fp(11));
+
+    let key = unique_key(name);
+    let req = request(fp(11), LONG, LONG);
+    ok(name, store.claim(&key, &req).await).await;
+    ok(
+        name,
+        store
+            .complete(&key, req.token, Outcome::Failed(b"\"declined\""), LONG)
+            .await,
+    )
+    .await;
+    no_answer("failed", &key, fp(11));
 }
 
 /// `complete` and `release` on a key nobody claimed change nothing.

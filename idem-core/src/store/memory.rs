@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::record::{Record, Timestamp, Token};
-use crate::store::{decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, Store};
-use crate::{Error, Key};
+use crate::record::{Record, State, Timestamp, Token};
+use crate::store::{
+    decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, Store,
+};
+use crate::{Error, Fingerprint, Key};
 
 /// An in-process store: records live in a map behind a mutex and die with the process.
 ///
@@ -90,6 +92,17 @@ impl Store for MemoryStore {
 
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
         Ok(self.fenced(key, token, None))
+    }
+
+    fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
+        let now = Timestamp::now();
+        match self.map().get(key) {
+            Some(r) if is_replayable(r, fingerprint, now) => match &r.state {
+                State::Completed { result } => Some(result.clone()),
+                _ => None,
+            },
+            _ => None,
+        }
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {

@@ -29,9 +29,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::record::{Record, Timestamp, Token};
-use crate::store::{decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, Store};
-use crate::{Error, Key};
+use crate::record::{Record, State, Timestamp, Token};
+use crate::store::{
+    decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, Store,
+};
+use crate::{Error, Fingerprint, Key};
 
 /// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
 ///
@@ -464,6 +466,17 @@ impl Store for SledStore {
             Self::FSYNC_MAX_RESULT_BYTES
         } else {
             crate::store::DEFAULT_MAX_RESULT_BYTES
+        }
+    }
+
+    fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
+        let now = Timestamp::now();
+        match self.read(key) {
+            Ok(Some((_, r))) if is_replayable(&r, fingerprint, now) => match r.state {
+                State::Completed { result } => Some(result),
+                _ => None,
+            },
+            _ => None,
         }
     }
 
