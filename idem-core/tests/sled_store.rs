@@ -288,3 +288,92 @@ async fn fsync_mode_caps_results_below_the_blob_size_and_is_one_setting_per_dire
     let run = Run::new("r").with_store(store);
     assert_eq!(send(&run, "fits", "other").await.unwrap().unwrap(), fits);
 }
+
+/// A miss flushes wherever the tool runs: in place on a multi-threaded runtime, on a
+/// blocking thread from a current-thread runtime, inline with no runtime at all; from
+/// async and sync tools alike. Each body runs once, a retry gets its value back, and
+/// every result is there when the store is opened again.
+#[test]
+fn misses_flush_and_replay_from_every_kind_of_thread() {
+    use idem_core::execute_blocking;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let dir = tempfile::tempdir().unwrap();
+    let run = Run::new("r").with_store(SledStore::open(dir.path()).unwrap());
+    let runs = AtomicUsize::new(0);
+    let sync_tool = |to: &str| {
+        execute_blocking::<Result<String, Error>, ReleaseErrors, _>(
+            Call::new(Some(&run), "send_email", Options::new(), &to),
+            || {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok(format!("sent to {to}"))
+            },
+        )
+        .unwrap()
+        .unwrap()
+    };
+    let multi = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let current = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let mut sent = Vec::new();
+    for _ in 0..2 {
+        sent.push(
+            multi
+                .block_on(multi.spawn({
+                    let run = run.clone();
+                    async move { send(&run, "async-multi", "async on a worker").await }
+                }))
+                .unwrap()
+                .unwrap()
+                .unwrap(),
+        );
+        sent.push(
+            current
+                .block_on(send(&run, "async-current", "async, current thread"))
+                .unwrap()
+                .unwrap(),
+        );
+        sent.push(
+            multi
+                .block_on(multi.spawn_blocking({
+                    let run = run.clone();
+                    move || {
+                        execute_blocking::<Result<String, Error>, ReleaseErrors, _>(
+                            Call::new(Some(&run), "send_email", Options::new(), &"sync-worker"),
+                            || Ok("sync in spawn_blocking".to_string()),
+                        )
+                    }
+                }))
+                .unwrap()
+                .unwrap()
+                .unwrap(),
+        );
+        sent.push(current.block_on(async { sync_tool("sync-in-current") }));
+        sent.push(sync_tool("sync-no-runtime"));
+    }
+    assert_eq!(sent[..5], sent[5..], "a retry got another value");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "a sync body ran twice");
+
+    drop(run);
+    let store = SledStore::open(dir.path()).unwrap();
+    assert_eq!(store.len(), 5);
+    let reopened = Run::new("r").with_store(store);
+    let tos = [
+        "async-multi",
+        "async-current",
+        "sync-worker",
+        "sync-in-current",
+        "sync-no-runtime",
+    ];
+    for (to, value) in tos.iter().zip(&sent) {
+        let got = current
+            .block_on(send(&reopened, to, "ran again"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(&got, value);
+    }
+}
