@@ -96,11 +96,12 @@ impl Store for MemoryStore {
 
     fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
         let now = Timestamp::now();
-        match self.map().get(key) {
-            Some(r) if is_replayable(r, fingerprint, now) => match &r.state {
-                State::Completed { result } => Some(result.clone()),
-                _ => None,
-            },
+        let map = self.map();
+        let record = map
+            .get(key)
+            .filter(|r| is_replayable(r, fingerprint, now))?;
+        match &record.state {
+            State::Completed { result } => Some(result.clone()),
             _ => None,
         }
     }

@@ -442,22 +442,24 @@ impl Store for PostgresStore {
         self.bounded(async {
             let client = self.client().await?;
             let token = request.token.0.to_be_bytes();
+            let (lease, ttl) = (millis(request.lease), millis(request.ttl));
+            // `claim_fresh` takes the first five, `claim` all seven.
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
+                &key.as_str(),
+                &request.fingerprint.as_bytes().as_slice(),
+                &token.as_slice(),
+                &lease,
+                &ttl,
+                &request.take_over_expired,
+                &request.retry_failed,
+            ];
             for _ in 0..CLAIM_ATTEMPTS {
                 let stmt = client
                     .prepare_cached(&self.inner.sql.claim_fresh)
                     .await
                     .map_err(pg_error)?;
                 let row = client
-                    .query_one(
-                        &stmt,
-                        &[
-                            &key.as_str(),
-                            &request.fingerprint.as_bytes().as_slice(),
-                            &token.as_slice(),
-                            &millis(request.lease),
-                            &millis(request.ttl),
-                        ],
-                    )
+                    .query_one(&stmt, &params[..5])
                     .await
                     .map_err(pg_error)?;
                 if row.try_get::<_, i64>(8).map_err(pg_error)? == 1 {
@@ -476,21 +478,7 @@ impl Store for PostgresStore {
                     .prepare_cached(&self.inner.sql.claim)
                     .await
                     .map_err(pg_error)?;
-                let claimed = client
-                    .query_opt(
-                        &stmt,
-                        &[
-                            &key.as_str(),
-                            &request.fingerprint.as_bytes().as_slice(),
-                            &token.as_slice(),
-                            &millis(request.lease),
-                            &millis(request.ttl),
-                            &request.take_over_expired,
-                            &request.retry_failed,
-                        ],
-                    )
-                    .await
-                    .map_err(pg_error)?;
+                let claimed = client.query_opt(&stmt, &params).await.map_err(pg_error)?;
                 if claimed.is_some() {
                     return Ok(claim);
                 }

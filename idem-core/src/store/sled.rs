@@ -471,11 +471,10 @@ impl Store for SledStore {
 
     fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
         let now = Timestamp::now();
-        match self.read(key) {
-            Ok(Some((_, r))) if is_replayable(&r, fingerprint, now) => match r.state {
-                State::Completed { result } => Some(result),
-                _ => None,
-            },
+        // A record that does not decode is `None`: the claim reports it.
+        let (_, record) = self.read(key).ok()??;
+        match record.state {
+            State::Completed { result } if is_replayable(&record, fingerprint, now) => Some(result),
             _ => None,
         }
     }
