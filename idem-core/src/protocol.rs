@@ -18,7 +18,7 @@
 //!
 //! 1. **Claim** the key. Completed with the same fingerprint: replay the stored value,
 //!    the operation does not run (an in-process store answers this case before the
-//!    claim, through [`Store::completed_result`]). Another fingerprint: [`Error::PayloadMismatch`].
+//!    claim, through [`Store::with_completed_result`]). Another fingerprint: [`Error::PayloadMismatch`].
 //!    Held by a live lease: wait (bounded; woken in-process, polling otherwise) or fail
 //!    fast with [`Error::InProgress`]. Lease expired: take over and run
 //!    ([`Delivery::AtLeastOnce`](crate::Delivery)) or [`Error::OutcomeUnknown`]
@@ -380,9 +380,13 @@ where
 {
     let store = call.run.store_ref()?;
     let key = &call.key;
-    if let Some(bytes) = (**store).completed_result(key, &call.fingerprint) {
+    let mut hit = None;
+    (**store).with_completed_result(key, &call.fingerprint, &mut |bytes| {
+        hit = Some(replay::<R>(key, bytes));
+    });
+    if let Some(replayed) = hit {
         tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
-        return replay::<R>(key, &bytes);
+        return replayed;
     }
     let request = ClaimRequest {
         fingerprint: call.fingerprint,

@@ -207,6 +207,26 @@ impl Record {
         Ok(Timestamp(u64::from_be_bytes(b)))
     }
 
+    /// The result in an encoded record, read in place, if a claim would replay it: the
+    /// record is completed, live at `now` and for `fingerprint` (the rule of
+    /// [`is_replayable`](crate::store::is_replayable)). `None` for anything else, bytes
+    /// that do not decode included. Never panics, whatever the bytes.
+    pub fn replayable_result<'a>(
+        bytes: &'a [u8],
+        fingerprint: &Fingerprint,
+        now: Timestamp,
+    ) -> Option<&'a [u8]> {
+        let header = bytes.get(..HEADER)?;
+        let mut expires_at = [0u8; 8];
+        expires_at.copy_from_slice(&header[46..54]);
+        let replayable = header[..4] == *MAGIC
+            && header[4] == FORMAT_VERSION
+            && header[5] == 1
+            && header[6..38] == fingerprint.as_bytes()[..]
+            && Timestamp(u64::from_be_bytes(expires_at)) > now;
+        replayable.then(|| &bytes[HEADER..])
+    }
+
     /// Decodes a record read under `key`. Never panics, whatever the bytes.
     pub fn decode(key: &str, bytes: &[u8]) -> Result<Record, Error> {
         let corrupt = |reason: &str| Error::CorruptRecord {
@@ -272,6 +292,7 @@ mod tests {
         fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
             let _ = Record::decode("k", &bytes);
             let _ = Record::decode_expiry("k", &bytes);
+            let _ = Record::replayable_result(&bytes, &Fingerprint::from_bytes([0; 32]), Timestamp(0));
         }
 
         #[test]
@@ -282,6 +303,37 @@ mod tests {
             }
             bytes.truncate(cut);
             let _ = Record::decode("k", &bytes);
+        }
+
+        /// The in-place read of the hit path agrees with decoding the record and
+        /// asking `is_replayable`, on damaged records of every state.
+        #[test]
+        fn replayable_result_agrees_with_decode(
+            state in 0usize..3,
+            cut in 0usize..90,
+            flip in 0usize..90,
+            bit in 0u8..8,
+            other_fingerprint: bool,
+            now in prop_oneof![Just(0u64), Just(u64::MAX - 1), Just(u64::MAX), any::<u64>()],
+        ) {
+            let state = [
+                State::InProgress { token: Token(7), lease_until: Timestamp(9) },
+                State::Completed { result: b"{\"id\":\"m-1\"}".to_vec() },
+                State::Failed { error: b"\"declined\"".to_vec() },
+            ][state].clone();
+            let mut bytes = sample(state).encode();
+            if flip < bytes.len() {
+                bytes[flip] ^= 1 << bit;
+            }
+            bytes.truncate(cut);
+            let fingerprint = Fingerprint::from_bytes(if other_fingerprint { [8; 32] } else { [7; 32] });
+            let now = Timestamp(now);
+            let decoded = Record::decode("k", &bytes).ok().filter(|r| crate::store::is_replayable(r, &fingerprint, now));
+            let expected = decoded.as_ref().map(|r| match &r.state {
+                State::Completed { result } => &result[..],
+                _ => unreachable!("is_replayable admits only completed records"),
+            });
+            prop_assert_eq!(Record::replayable_result(&bytes, &fingerprint, now), expected);
         }
     }
 

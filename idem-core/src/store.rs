@@ -14,7 +14,7 @@
 //! - Errors are [`Error`]s (usually [`Error::Store`]); no method panics on stored data.
 //!
 //! [`decide_claim`] is the claim rule as a pure function; a store that can run Rust
-//! inside its atomic step (a mutex, a compare-and-swap loop) uses it as is. The
+//! inside its atomic step (a lock, a compare-and-swap loop) uses it as is. The
 //! `testing` feature exports a conformance suite (`idem_core::testing`) that checks all
 //! of the above against any store.
 
@@ -126,23 +126,30 @@ pub trait Store: Send + Sync + 'static {
         DEFAULT_MAX_RESULT_BYTES
     }
 
-    /// The hit path without a claim: the stored result if `key` holds a live, completed
-    /// record for `fingerprint` and the store can tell at once, without waiting on I/O.
-    /// Otherwise `None`, and the caller goes on to [`Store::claim`], which stays the
-    /// authority on everything else (a record that cannot be read is `None` here, and
-    /// `claim` reports the error).
+    /// The hit path without a claim: calls `replay` with the stored result if `key`
+    /// holds a live, completed record for `fingerprint` and the store can tell at once,
+    /// without waiting on I/O. Otherwise it does not call `replay`, and the caller goes
+    /// on to [`Store::claim`], which stays the authority on everything else (a record
+    /// that cannot be read is not replayed here, and `claim` reports the error).
     ///
-    /// The default answers `None`, which is always correct; the memory and sled stores
-    /// answer from their maps. A hit answered here skips the claim's fencing token and
-    /// boxed future: about 5% of an in-process hit.
-    fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
-        let _ = (key, fingerprint);
-        None
+    /// `replay` (which deserializes the result) is called at most once, and may be
+    /// called while the store holds a read lock: the result is lent, not copied.
+    ///
+    /// The default never calls `replay`, which is always correct; the memory and sled
+    /// stores answer from their maps. A hit answered here skips the claim's fencing
+    /// token, its boxed future and a copy of the result.
+    fn with_completed_result(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        replay: &mut dyn FnMut(&[u8]),
+    ) {
+        let _ = (key, fingerprint, replay);
     }
 }
 
 /// Whether a claim on `record` would replay its result: the record is live, completed,
-/// and for `fingerprint` (the rule [`Store::completed_result`] answers by).
+/// and for `fingerprint` (the rule [`Store::with_completed_result`] answers by).
 pub fn is_replayable(record: &Record, fingerprint: &Fingerprint, now: Timestamp) -> bool {
     !record.is_expired(now)
         && record.fingerprint == *fingerprint
@@ -185,8 +192,13 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     fn max_result_bytes(&self) -> usize {
         (**self).max_result_bytes()
     }
-    fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
-        (**self).completed_result(key, fingerprint)
+    fn with_completed_result(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        replay: &mut dyn FnMut(&[u8]),
+    ) {
+        (**self).with_completed_result(key, fingerprint, replay)
     }
 }
 

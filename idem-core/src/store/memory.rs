@@ -1,7 +1,8 @@
-//! `MemoryStore`: records in a mutex-guarded map, for tests and single-process agents.
+//! `MemoryStore`: records in a map behind a read-write lock, for tests and
+//! single-process agents.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -12,14 +13,16 @@ use crate::store::{
 };
 use crate::{Error, Fingerprint, Key};
 
-/// An in-process store: records live in a map behind a mutex and die with the process.
+/// An in-process store: records live in a map behind a read-write lock and die with the
+/// process. Hits share the read lock; claims, completions and releases take the write
+/// lock.
 ///
 /// Cloning is cheap and clones share the map. Use it in tests and in agents that run in
 /// one process and need no durability across restarts; use [`SledStore`](crate::SledStore)
 /// (the default) when a completed call must survive a crash.
 #[derive(Clone, Default)]
 pub struct MemoryStore {
-    records: Arc<Mutex<HashMap<Key, Record>>>,
+    records: Arc<RwLock<HashMap<Key, Record>>>,
 }
 
 impl MemoryStore {
@@ -30,23 +33,29 @@ impl MemoryStore {
 
     /// How many records the map holds, expired ones included until purged.
     pub fn len(&self) -> usize {
-        self.map().len()
+        self.read().len()
     }
 
     /// Whether the map holds no records.
     pub fn is_empty(&self) -> bool {
-        self.map().is_empty()
+        self.read().is_empty()
     }
 
-    fn map(&self) -> MutexGuard<'_, HashMap<Key, Record>> {
-        // No code path panics while holding the lock; recover the map if one ever did.
+    // No code path panics while holding the lock; recover the map if one ever did.
+    fn read(&self) -> RwLockReadGuard<'_, HashMap<Key, Record>> {
         self.records
-            .lock()
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, HashMap<Key, Record>> {
+        self.records
+            .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn fenced(&self, key: &Key, token: Token, outcome: Option<(Outcome<'_>, Duration)>) -> Fenced {
-        let mut map = self.map();
+        let mut map = self.write();
         match decide_fenced(map.get(key), token, outcome, Timestamp::now()) {
             Ok(Some(record)) => {
                 map.insert(key.clone(), record);
@@ -72,7 +81,7 @@ impl std::fmt::Debug for MemoryStore {
 #[async_trait]
 impl Store for MemoryStore {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
-        let mut map = self.map();
+        let mut map = self.write();
         let (claim, write) = decide_claim(map.get(key), request, Timestamp::now());
         if let Some(record) = write {
             map.insert(key.clone(), record);
@@ -94,31 +103,36 @@ impl Store for MemoryStore {
         Ok(self.fenced(key, token, None))
     }
 
-    fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
+    fn with_completed_result(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        replay: &mut dyn FnMut(&[u8]),
+    ) {
         let now = Timestamp::now();
-        let map = self.map();
-        let record = map
+        let map = self.read();
+        if let Some(State::Completed { result }) = map
             .get(key)
-            .filter(|r| is_replayable(r, fingerprint, now))?;
-        match &record.state {
-            State::Completed { result } => Some(result.clone()),
-            _ => None,
+            .filter(|r| is_replayable(r, fingerprint, now))
+            .map(|r| &r.state)
+        {
+            replay(result);
         }
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         let now = Timestamp::now();
-        Ok(self.map().get(key).filter(|r| !r.is_expired(now)).cloned())
+        Ok(self.read().get(key).filter(|r| !r.is_expired(now)).cloned())
     }
 
     async fn delete(&self, key: &Key) -> Result<bool, Error> {
         let now = Timestamp::now();
-        Ok(self.map().remove(key).is_some_and(|r| !r.is_expired(now)))
+        Ok(self.write().remove(key).is_some_and(|r| !r.is_expired(now)))
     }
 
     async fn purge_expired(&self) -> Result<u64, Error> {
         let now = Timestamp::now();
-        let mut map = self.map();
+        let mut map = self.write();
         let before = map.len();
         map.retain(|_, r| !r.is_expired(now));
         Ok((before - map.len()) as u64)

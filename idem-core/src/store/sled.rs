@@ -29,10 +29,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::record::{Record, State, Timestamp, Token};
-use crate::store::{
-    decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, Store,
-};
+use crate::record::{Record, Timestamp, Token};
+use crate::store::{decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{Error, Fingerprint, Key};
 
 /// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
@@ -469,13 +467,18 @@ impl Store for SledStore {
         }
     }
 
-    fn completed_result(&self, key: &Key, fingerprint: &Fingerprint) -> Option<Vec<u8>> {
+    fn with_completed_result(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        replay: &mut dyn FnMut(&[u8]),
+    ) {
         let now = Timestamp::now();
-        // A record that does not decode is `None`: the claim reports it.
-        let (_, record) = self.read(key).ok()??;
-        match record.state {
-            State::Completed { result } if is_replayable(&record, fingerprint, now) => Some(result),
-            _ => None,
+        // A record that cannot be read is not replayed: the claim reports it.
+        if let Ok(Some(bytes)) = self.inner.tree.get(key.as_str()) {
+            if let Some(result) = Record::replayable_result(&bytes, fingerprint, now) {
+                replay(result);
+            }
         }
     }
 
