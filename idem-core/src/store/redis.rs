@@ -2,8 +2,9 @@
 //!
 //! Each record is a hash under `<prefix><key>` (prefix `idem:` by default) with the
 //! fields `fp` (input fingerprint), `state` (0 in progress, 1 completed, 2 failed),
-//! `token` (fencing token), `lease` (in progress: lease end), `payload` (result or
-//! error, JSON), `created` and `exp` (milliseconds since the Unix epoch).
+//! `token` (fencing token), `lease` (in progress: lease end; empty once completed or
+//! failed), `payload` (result or error, JSON), `created` and `exp` (milliseconds since
+//! the Unix epoch).
 //!
 //! Claim, complete, release, get and delete are each one Lua script, so each is one
 //! atomic step and one round trip. Every time comes from the **Redis server clock**
@@ -51,7 +52,8 @@ if r[1] == ARGV[1] and r[2] == '1' then return {{1, r[4] or '', 0}} end
 {NOW}
 local function acquire(took_over)
   local exp = now + tonumber(ARGV[4])
-  redis.call('DEL', KEYS[1])
+  -- A record was there: clear it, or its payload would outlive the HSET.
+  if r[1] or r[2] or r[3] or r[4] or r[5] then redis.call('DEL', KEYS[1]) end
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'state', '0', 'token', ARGV[2],
     'lease', int(now + tonumber(ARGV[3])), 'created', int(now), 'exp', int(exp))
   redis.call('PEXPIREAT', KEYS[1], int(exp))
@@ -77,8 +79,7 @@ static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
 local r = redis.call('HMGET', KEYS[1], 'state', 'token', 'exp')
 if r[1] ~= '0' or r[2] ~= ARGV[1] or not r[3] or tonumber(r[3]) <= now then return 0 end
 local exp = now + tonumber(ARGV[4])
-redis.call('HDEL', KEYS[1], 'lease')
-redis.call('HSET', KEYS[1], 'state', ARGV[2], 'payload', ARGV[3], 'created', int(now), 'exp', int(exp))
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'lease', '', 'payload', ARGV[3], 'created', int(now), 'exp', int(exp))
 redis.call('PEXPIREAT', KEYS[1], int(exp))
 return 1"
     ))
