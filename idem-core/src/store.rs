@@ -132,8 +132,9 @@ pub trait Store: Send + Sync + 'static {
     /// on to [`Store::claim`], which stays the authority on everything else (a record
     /// that cannot be read is not replayed here, and `claim` reports the error).
     ///
-    /// `replay` (which deserializes the result) is called at most once, and may be
-    /// called while the store holds a read lock: the result is lent, not copied.
+    /// Call `replay` at most once, and not while holding a lock the store's other
+    /// methods take: it deserializes the result, which runs user code. The result is
+    /// lent, not copied.
     ///
     /// The default never calls `replay`, which is always correct; the memory and sled
     /// stores answer from their maps. A hit answered here skips the claim's fencing

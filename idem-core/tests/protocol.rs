@@ -496,3 +496,66 @@ async fn absurdly_nested_input_is_a_typed_error_not_a_stack_overflow() {
     .unwrap()
     .unwrap();
 }
+
+/// A stored result whose `Deserialize` calls another tool on the same store: decoding
+/// runs user code, so the hit path must hold no store lock while it decodes (the
+/// inner call's claim would wait on it forever).
+#[test]
+fn a_result_may_call_a_tool_on_the_same_store_while_it_is_replayed() {
+    /// The run the decode's tool call uses.
+    static RUN: std::sync::Mutex<Option<Run>> = std::sync::Mutex::new(None);
+    static INNER_RUNS: AtomicUsize = AtomicUsize::new(0);
+
+    #[derive(Debug, Serialize)]
+    struct Receipt(u32);
+
+    impl<'de> Deserialize<'de> for Receipt {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let n = u32::deserialize(d)?;
+            let run = RUN.lock().unwrap().clone();
+            let call = Call::new(run.as_ref(), "audit_replay", Options::new(), &n);
+            execute_blocking::<Result<(), Error>, ReleaseErrors, _>(call, || {
+                INNER_RUNS.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            })
+            .map_err(serde::de::Error::custom)?
+            .map_err(serde::de::Error::custom)?;
+            Ok(Receipt(n))
+        }
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    for store in [
+        Arc::new(MemoryStore::new()) as Arc<dyn Store>,
+        Arc::new(SledStore::open(dir.path()).unwrap()),
+    ] {
+        INNER_RUNS.store(0, Ordering::SeqCst);
+        let run = Run::new("replay-calls-a-tool").with_shared_store(store);
+        *RUN.lock().unwrap() = Some(run.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let receipt = |n: u32| {
+                let call = Call::new(Some(&run), "issue_receipt", Options::new(), &"order-1");
+                execute_blocking::<Result<Receipt, Error>, ReleaseErrors, _>(call, move || {
+                    Ok(Receipt(n))
+                })
+                .map(|r| r.map(|r| r.0))
+            };
+            let _ = tx.send((receipt(7), receipt(8)));
+        });
+        let (first, replayed) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the replay never finished: the store held its lock while decoding");
+        assert_eq!(first.unwrap().unwrap(), 7);
+        assert_eq!(
+            replayed.unwrap().unwrap(),
+            7,
+            "the stored receipt is replayed"
+        );
+        assert_eq!(
+            INNER_RUNS.load(Ordering::SeqCst),
+            1,
+            "the decode's own tool call ran once"
+        );
+    }
+}

@@ -15,14 +15,15 @@ use crate::{Error, Fingerprint, Key};
 
 /// An in-process store: records live in a map behind a read-write lock and die with the
 /// process. Hits share the read lock; claims, completions and releases take the write
-/// lock.
+/// lock. Records are shared (`Arc`), so a hit holds the lock only to find its record,
+/// not while the result is decoded.
 ///
 /// Cloning is cheap and clones share the map. Use it in tests and in agents that run in
 /// one process and need no durability across restarts; use [`SledStore`](crate::SledStore)
 /// (the default) when a completed call must survive a crash.
 #[derive(Clone, Default)]
 pub struct MemoryStore {
-    records: Arc<RwLock<HashMap<Key, Record>>>,
+    records: Arc<RwLock<HashMap<Key, Arc<Record>>>>,
 }
 
 impl MemoryStore {
@@ -42,13 +43,13 @@ impl MemoryStore {
     }
 
     // No code path panics while holding the lock; recover the map if one ever did.
-    fn read(&self) -> RwLockReadGuard<'_, HashMap<Key, Record>> {
+    fn read(&self) -> RwLockReadGuard<'_, HashMap<Key, Arc<Record>>> {
         self.records
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, HashMap<Key, Record>> {
+    fn write(&self) -> RwLockWriteGuard<'_, HashMap<Key, Arc<Record>>> {
         self.records
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -56,9 +57,9 @@ impl MemoryStore {
 
     fn fenced(&self, key: &Key, token: Token, outcome: Option<(Outcome<'_>, Duration)>) -> Fenced {
         let mut map = self.write();
-        match decide_fenced(map.get(key), token, outcome, Timestamp::now()) {
+        match decide_fenced(map.get(key).map(|r| &**r), token, outcome, Timestamp::now()) {
             Ok(Some(record)) => {
-                map.insert(key.clone(), record);
+                map.insert(key.clone(), Arc::new(record));
                 Fenced::Applied
             }
             Ok(None) => {
@@ -82,9 +83,9 @@ impl std::fmt::Debug for MemoryStore {
 impl Store for MemoryStore {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         let mut map = self.write();
-        let (claim, write) = decide_claim(map.get(key), request, Timestamp::now());
+        let (claim, write) = decide_claim(map.get(key).map(|r| &**r), request, Timestamp::now());
         if let Some(record) = write {
-            map.insert(key.clone(), record);
+            map.insert(key.clone(), Arc::new(record));
         }
         Ok(claim)
     }
@@ -110,19 +111,24 @@ impl Store for MemoryStore {
         replay: &mut dyn FnMut(&[u8]),
     ) {
         let now = Timestamp::now();
-        let map = self.read();
-        if let Some(State::Completed { result }) = map
+        // Out of the lock before `replay`, which runs the result's `Deserialize`.
+        let record = self
+            .read()
             .get(key)
             .filter(|r| is_replayable(r, fingerprint, now))
-            .map(|r| &r.state)
-        {
+            .cloned();
+        if let Some(State::Completed { result }) = record.as_deref().map(|r| &r.state) {
             replay(result);
         }
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         let now = Timestamp::now();
-        Ok(self.read().get(key).filter(|r| !r.is_expired(now)).cloned())
+        Ok(self
+            .read()
+            .get(key)
+            .filter(|r| !r.is_expired(now))
+            .map(|r| Record::clone(r)))
     }
 
     async fn delete(&self, key: &Key) -> Result<bool, Error> {
