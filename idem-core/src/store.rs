@@ -301,3 +301,69 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod sled;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The replay rule is written twice: as `is_replayable` (the hit path before the
+    /// claim) and inside `decide_claim`. They must answer alike for every record, or a
+    /// hit would be served by one path and refused by the other.
+    #[test]
+    fn is_replayable_is_exactly_when_a_claim_replays() {
+        let now = Timestamp(1_000);
+        let states = [
+            State::InProgress {
+                token: Token(1),
+                lease_until: Timestamp(2_000),
+            },
+            State::InProgress {
+                token: Token(1),
+                lease_until: Timestamp(500),
+            },
+            State::Completed {
+                result: b"\"m-1\"".to_vec(),
+            },
+            State::Failed {
+                error: b"\"declined\"".to_vec(),
+            },
+        ];
+        let mut replays = 0;
+        for state in states {
+            for expires_at in [Timestamp(999), Timestamp(1_000), Timestamp(1_001)] {
+                for stored in [1u8, 2] {
+                    let record = Record {
+                        fingerprint: Fingerprint::from_bytes([stored; 32]),
+                        created_at: Timestamp(0),
+                        expires_at,
+                        state: state.clone(),
+                    };
+                    for (take_over_expired, retry_failed) in
+                        [(false, false), (false, true), (true, false), (true, true)]
+                    {
+                        let request = ClaimRequest {
+                            fingerprint: Fingerprint::from_bytes([1; 32]),
+                            token: Token(2),
+                            lease: Duration::from_secs(1),
+                            ttl: Duration::from_secs(1),
+                            take_over_expired,
+                            retry_failed,
+                        };
+                        let (claim, _) = decide_claim(Some(&record), &request, now);
+                        let replayed = matches!(claim, Claim::Completed(_));
+                        replays += usize::from(replayed);
+                        assert_eq!(
+                            is_replayable(&record, &request.fingerprint, now),
+                            replayed,
+                            "{record:?} with {request:?} claimed as {claim:?}"
+                        );
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            replays, 4,
+            "only the live, completed, same-input record replays"
+        );
+    }
+}
