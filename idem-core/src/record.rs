@@ -141,7 +141,20 @@ pub struct Record {
 const MAGIC: &[u8; 4] = b"idem";
 /// The record format version this build writes.
 pub const FORMAT_VERSION: u8 = 1;
-const HEADER: usize = 4 + 1 + 1 + 32 + 8 + 8;
+/// The length of the fixed header, which completed and failed records follow with
+/// their payload.
+pub(crate) const HEADER: usize = 4 + 1 + 1 + 32 + 8 + 8;
+/// The first bytes of every encoded in-progress record: magic, version, state 0.
+#[cfg(feature = "redis")]
+pub(crate) const IN_PROGRESS_TAG: [u8; 6] =
+    [MAGIC[0], MAGIC[1], MAGIC[2], MAGIC[3], FORMAT_VERSION, 0];
+/// Where the fingerprint is in an encoded record.
+pub(crate) const FINGERPRINT_AT: usize = 6;
+/// Where the owner token is in an encoded in-progress record.
+#[cfg(feature = "redis")]
+pub(crate) const TOKEN_AT: usize = HEADER;
+/// The length of an encoded in-progress record.
+pub(crate) const IN_PROGRESS_LEN: usize = HEADER + 16 + 8;
 
 impl Record {
     /// Whether the record has expired at `now` (and so must be treated as absent).
@@ -152,7 +165,7 @@ impl Record {
     /// Encodes the record (see the module docs for the layout).
     pub fn encode(&self) -> Vec<u8> {
         let payload = match &self.state {
-            State::InProgress { .. } => 24,
+            State::InProgress { .. } => IN_PROGRESS_LEN - HEADER,
             State::Completed { result } => result.len(),
             State::Failed { error } => error.len(),
         };
@@ -251,11 +264,11 @@ impl Record {
             u64::from_be_bytes(b)
         };
         let mut fp = [0u8; 32];
-        fp.copy_from_slice(&bytes[6..38]);
+        fp.copy_from_slice(&bytes[FINGERPRINT_AT..FINGERPRINT_AT + 32]);
         let rest = &bytes[HEADER..];
         let state = match bytes[5] {
             0 => {
-                if rest.len() != 24 {
+                if bytes.len() != IN_PROGRESS_LEN {
                     return Err(corrupt("in-progress record of wrong length"));
                 }
                 let mut t = [0u8; 16];
@@ -344,6 +357,24 @@ mod tests {
             expires_at: Timestamp(u64::MAX),
             state,
         }
+    }
+
+    /// The Redis store's scripts read in-progress records by these offsets.
+    #[cfg(feature = "redis")]
+    #[test]
+    fn in_progress_layout_is_where_the_constants_say() {
+        let bytes = sample(State::InProgress {
+            token: Token(0x0102_0304),
+            lease_until: Timestamp(9),
+        })
+        .encode();
+        assert_eq!(bytes.len(), IN_PROGRESS_LEN);
+        assert_eq!(bytes[..6], IN_PROGRESS_TAG);
+        assert_eq!(bytes[FINGERPRINT_AT..FINGERPRINT_AT + 32], [7; 32]);
+        assert_eq!(
+            bytes[TOKEN_AT..TOKEN_AT + 16],
+            0x0102_0304u128.to_be_bytes()
+        );
     }
 
     #[test]

@@ -46,6 +46,7 @@ pub async fn run_all(store: Arc<dyn Store>) {
     fenced_writes_on_unclaimed_key_are_rejected(&*store).await;
     purge_removes_only_expired(&*store).await;
     concurrent_claims_have_one_winner(store.clone()).await;
+    concurrent_takeovers_have_one_winner(store.clone()).await;
     concurrent_calls_execute_once(store).await;
 }
 
@@ -452,26 +453,73 @@ pub async fn purge_removes_only_expired(store: &dyn Store) {
 pub async fn concurrent_claims_have_one_winner(store: Arc<dyn Store>) {
     let name = "concurrent_claims_have_one_winner";
     let key = unique_key(name);
+    let took_over = race_for(name, &store, &key, fp(12)).await;
+    check!(name, !took_over, "the winner took over an absent key");
+}
+
+/// 64 concurrent claims of a key whose claim was abandoned (its lease expired), and
+/// then of a key holding a cached error, all taking over or retrying: exactly one
+/// acquires it each time, the rest are busy. A store that decides on a read and then
+/// writes must write only if the record is still the one it read.
+pub async fn concurrent_takeovers_have_one_winner(store: Arc<dyn Store>) {
+    let name = "concurrent_takeovers_have_one_winner";
+    let abandoned = unique_key(name);
+    ok(
+        name,
+        store.claim(&abandoned, &request(fp(13), SHORT, LONG)).await,
+    )
+    .await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let took_over = race_for(name, &store, &abandoned, fp(13)).await;
+    check!(
+        name,
+        took_over,
+        "the winner of an abandoned claim did not take it over"
+    );
+
+    let failed = unique_key(name);
+    let first = request(fp(14), LONG, LONG);
+    ok(name, store.claim(&failed, &first).await).await;
+    ok(
+        name,
+        store
+            .complete(&failed, first.token, Outcome::Failed(b"\"declined\""), LONG)
+            .await,
+    )
+    .await;
+    let took_over = race_for(name, &store, &failed, fp(14)).await;
+    check!(
+        name,
+        !took_over,
+        "the winner of a failed key took over a claim"
+    );
+}
+
+/// Claims `key` from 64 tasks at once; checks that one acquires it and 63 are busy, and
+/// returns whether the winner took over.
+async fn race_for(name: &str, store: &Arc<dyn Store>, key: &Key, fingerprint: Fingerprint) -> bool {
     let tasks: Vec<_> = (0..64)
         .map(|_| {
             let store = store.clone();
             let key = key.clone();
-            tokio::spawn(async move { store.claim(&key, &request(fp(12), LONG, LONG)).await })
+            tokio::spawn(async move { store.claim(&key, &request(fingerprint, LONG, LONG)).await })
         })
         .collect();
-    let (mut acquired, mut busy) = (0, 0);
+    let (mut winners, mut busy) = (Vec::new(), 0);
     for task in tasks {
         match ok(name, task.await.expect("conformance: task panicked")).await {
-            Claim::Acquired { .. } => acquired += 1,
+            Claim::Acquired { took_over } => winners.push(took_over),
             Claim::Busy { .. } => busy += 1,
             other => panic!("conformance check `{name}` failed: claim returned {other:?}"),
         }
     }
     check!(
         name,
-        acquired == 1 && busy == 63,
-        "{acquired} acquired, {busy} busy"
+        winners.len() == 1 && busy == 63,
+        "{} acquired, {busy} busy",
+        winners.len()
     );
+    winners[0]
 }
 
 /// 64 concurrent idempotent calls with one key: the operation runs once, and all 64

@@ -16,9 +16,10 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use idem_core::store::{Claim, ClaimRequest};
 use idem_core::{
-    execute, testing, Call, Error, Options, PostgresStore, RedisStore, ReleaseErrors, Run, Store,
-    Token,
+    execute, testing, Call, Error, Fingerprint, Key, Options, PostgresStore, Record, RedisStore,
+    ReleaseErrors, Run, State, Store, Timestamp, Token,
 };
 
 fn postgres_url() -> Option<String> {
@@ -87,6 +88,149 @@ async fn redis_store_conforms() {
         .await
         .unwrap();
     testing::run_all(Arc::new(store)).await;
+}
+
+/// What a Redis key holds is left alone, and reported, when it is not an idem record:
+/// bytes of another program, another Redis type, a claim someone made permanent (its
+/// lease cannot be placed in time without the key's expiry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
+    let Some(url) = redis_url() else { return };
+    let prefix = format!("{}:", unique("idem-foreign"));
+    let store = RedisStore::builder(&url)
+        .prefix(&prefix)
+        .connect()
+        .await
+        .unwrap();
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let request = ClaimRequest {
+        fingerprint: Fingerprint::from_bytes([1; 32]),
+        token: Token::generate().unwrap(),
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+        take_over_expired: true,
+        retry_failed: true,
+    };
+    let permanent = Record {
+        fingerprint: request.fingerprint,
+        created_at: Timestamp(0),
+        expires_at: Timestamp(60_000),
+        state: State::InProgress {
+            token: Token::generate().unwrap(),
+            lease_until: Timestamp(1_000),
+        },
+    }
+    .encode();
+    let cases: [(&str, &[&[u8]], &str); 3] = [
+        (
+            "bytes",
+            &[b"SET", b"not a record", b"PX", b"60000"],
+            "magic",
+        ),
+        ("hash", &[b"HSET", b"fp", b"x"], "type"),
+        ("permanent", &[b"SET", &permanent], "expiry"),
+    ];
+    for (name, write, reason) in cases {
+        let key = Key::from_text(name);
+        let redis_key = format!("{prefix}{key}");
+        let mut command = redis::cmd(std::str::from_utf8(write[0]).unwrap());
+        command.arg(&redis_key).arg(&write[1..]);
+        let _: () = command.query_async(&mut conn).await.unwrap();
+        let before: Vec<u8> = redis::cmd("DUMP")
+            .arg(&redis_key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        for err in [
+            store.claim(&key, &request).await.unwrap_err(),
+            store.get(&key).await.unwrap_err(),
+        ] {
+            assert!(
+                matches!(&err, Error::CorruptRecord { key: k, reason: r } if *k == key.to_string() && r.contains(reason)),
+                "{name}: {err}"
+            );
+        }
+        let after: Vec<u8> = redis::cmd("DUMP")
+            .arg(&redis_key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(before, after, "{name}: the value was changed");
+        assert!(
+            store.delete(&key).await.unwrap(),
+            "{name}: delete clears it"
+        );
+        assert_eq!(
+            store.claim(&key, &request).await.unwrap(),
+            Claim::Acquired { took_over: false },
+            "{name}"
+        );
+    }
+}
+
+/// Records in Redis count time from the moment Redis stored them; read back, their
+/// times are the server's: created when claimed, expiring a TTL later, the lease a
+/// lease later, however long after the claim they are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_record_times_are_the_server_clock() {
+    let Some(url) = redis_url() else { return };
+    let store = RedisStore::builder(&url)
+        .prefix(format!("{}:", unique("idem-times")))
+        .connect()
+        .await
+        .unwrap();
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let server_now = |(secs, micros): (u64, u64)| secs * 1000 + micros / 1000;
+    let key = Key::from_text("times");
+    let request = ClaimRequest {
+        fingerprint: Fingerprint::from_bytes([2; 32]),
+        token: Token::generate().unwrap(),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(3600),
+        take_over_expired: true,
+        retry_failed: false,
+    };
+    let before = server_now(redis::cmd("TIME").query_async(&mut conn).await.unwrap());
+    store.claim(&key, &request).await.unwrap();
+    let after = server_now(redis::cmd("TIME").query_async(&mut conn).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let record = store.get(&key).await.unwrap().unwrap();
+    // PTTL counts whole milliseconds: allow one either side.
+    assert!(
+        (before - 1..=after + 1).contains(&record.created_at.0),
+        "created {} outside the claim's {before}..={after}",
+        record.created_at.0
+    );
+    assert!(
+        record
+            .expires_at
+            .0
+            .abs_diff(record.created_at.0 + 3_600_000)
+            <= 1,
+        "{record:?}"
+    );
+    match record.state {
+        State::InProgress { token, lease_until } => {
+            assert_eq!(token, request.token);
+            assert_eq!(lease_until.0, record.created_at.0 + 30_000, "{record:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A second claim is busy until the lease, in this process's clock.
+    let mut second = request;
+    second.token = Token::generate().unwrap();
+    match store.claim(&key, &second).await.unwrap() {
+        Claim::Busy { lease_until } => {
+            let left = lease_until.remaining(Timestamp::now());
+            assert!(
+                left > Duration::from_secs(28) && left <= Duration::from_secs(30),
+                "{left:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 async fn futures_join<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {

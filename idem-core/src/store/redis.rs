@@ -1,18 +1,34 @@
 //! `RedisStore`: records in Redis, shared by a fleet of workers (feature `redis`).
 //!
-//! Each record is a hash under `<prefix><key>` (prefix `idem:` by default) with the
-//! fields `fp` (input fingerprint), `state` (0 in progress, 1 completed, 2 failed),
-//! `token` (fencing token), `lease` (in progress: lease end; empty once completed or
-//! failed), `payload` (result or error, JSON), `created` and `exp` (milliseconds since
-//! the Unix epoch).
+//! # Layout
 //!
-//! Claim, complete, release, get and delete are each one Lua script, so each is one
-//! atomic step and one round trip. Every time comes from the **Redis server clock**
-//! (`TIME`), so workers with skewed clocks agree on leases and expiry. Redis removes a
-//! record itself at its expiry (`PEXPIREAT`); the scripts still treat a record past
-//! `exp` as absent, except that a claim that finds a completed record replays it
-//! without reading the clock (Redis would not have returned it past its expiry).
-//! [`Store::purge_expired`] has nothing to do and returns 0.
+//! Each record is a Redis string under `<prefix><key>` (prefix `idem:` by default)
+//! holding the record encoding every store shares ([`Record::encode`]), with one
+//! difference: its times count from 0, the moment Redis stored it. Redis expires the
+//! key itself (`PX`) at the record's expiry.
+//!
+//! # Round trips
+//!
+//! - **Claim**: one atomic transaction of native commands, `SET key claim NX GET PX
+//!   ttl`, `PTTL key`, `TIME`. An absent key is claimed by the `SET`; a present one is
+//!   returned unchanged, so a hit writes nothing and costs one round trip and no
+//!   script. `PTTL` and `TIME` place the record found in the server's time (stored at
+//!   *now + time left − expires at*), and [`decide_claim`] decides on it. Taking over
+//!   an abandoned claim or retrying a cached error is a second step: a script that
+//!   replaces the record only if it is still, byte for byte, the one read, or else the
+//!   claim reads again.
+//! - **Complete** and **release**: one Lua script each, fenced by the owner's token.
+//!   A miss is the claim plus a completion: two round trips, one of them a script.
+//! - **Get** is the claim's transaction without the `SET`; **delete** is `DEL`.
+//!
+//! Every time is the **Redis server clock** (`TIME`, and the key's TTL), so workers
+//! with skewed clocks agree on leases and expiry, except [`Claim::Busy`]'s
+//! `lease_until`, which is converted to this process's clock, the one a waiting call
+//! sleeps by. [`Store::purge_expired`] has nothing to do and returns 0. Needs Redis
+//! 7.0 or later (`SET` with both `NX` and `GET`).
+//!
+//! A value under a key that is not such a record (another program's key, a Redis
+//! type other than string) is an [`Error::CorruptRecord`] and is left as it is.
 //!
 //! The connection is a `redis::aio::ConnectionManager`: it reconnects after a server
 //! restart. Every operation is bounded by the store's timeout (5 seconds by default):
@@ -26,98 +42,106 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
-use crate::record::{millis, Record, State, Timestamp, Token};
-use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::record::{
+    millis, Record, State, Timestamp, Token, FINGERPRINT_AT, IN_PROGRESS_LEN, IN_PROGRESS_TAG,
+    TOKEN_AT,
+};
+use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{Error, Fingerprint, Key};
 
 const STORE: &str = "redis";
 
-/// The server time in milliseconds, as every script starts.
-const NOW: &str = "local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function int(x) return string.format('%.0f', x) end
-";
+/// How many times a claim reads again when the record it meant to replace changed
+/// under it. Each retry means another call moved the record on, so this bounds a race,
+/// not a wait.
+const CLAIM_ATTEMPTS: usize = 8;
 
-/// KEYS[1] key; ARGV fingerprint, token, lease ms, ttl ms, take over (0/1), retry
-/// failed (0/1). Returns {code, payload, number}: 0 acquired (number: 1 if taken
-/// over), 1 completed, 2 failed, 3 busy (number: lease end), 4 abandoned, 5 mismatch.
-/// The same rule as `decide_claim`. A hit returns before reading the clock: Redis
-/// removes a record at its `exp` (`PEXPIREAT`), so a completed record it still returns
-/// is live (to within the millisecond Redis rounds expiry to), and the hit costs the
-/// server one `HMGET` and no `TIME`.
-static CLAIM: LazyLock<Script> = LazyLock::new(|| {
+/// The longest TTL the store sets, in milliseconds (about 35,000 years): Redis
+/// refuses an expiry past the end of its clock.
+const MAX_PX: u64 = 1 << 50;
+
+/// A script that writes as a claim's owner: it reads the record under KEYS[1] and
+/// returns 0 unless the record is in progress with the token ARGV[1]; otherwise it
+/// runs `then` and returns 1. The offsets are those of [`Record::encode`].
+fn as_owner(then: &str) -> Script {
+    let tag: String = IN_PROGRESS_TAG.iter().map(|b| format!("\\{b}")).collect();
     Script::new(&format!(
-        "local r = redis.call('HMGET', KEYS[1], 'fp', 'state', 'lease', 'payload', 'exp')
-if r[1] == ARGV[1] and r[2] == '1' then return {{1, r[4] or '', 0}} end
-{NOW}
-local function acquire(took_over)
-  local exp = now + tonumber(ARGV[4])
-  -- A record was there: clear it, or its payload would outlive the HSET.
-  if r[1] or r[2] or r[3] or r[4] or r[5] then redis.call('DEL', KEYS[1]) end
-  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'state', '0', 'token', ARGV[2],
-    'lease', int(now + tonumber(ARGV[3])), 'created', int(now), 'exp', int(exp))
-  redis.call('PEXPIREAT', KEYS[1], int(exp))
-  return {{0, '', took_over}}
-end
-if not r[1] or not r[5] or tonumber(r[5]) <= now then return acquire(0) end
-if r[1] ~= ARGV[1] then return {{5, '', 0}} end
-if r[2] == '1' then return {{1, r[4] or '', 0}} end
-if r[2] == '2' then
-  if ARGV[6] == '1' then return acquire(0) end
-  return {{2, r[4] or '', 0}}
-end
-if tonumber(r[3]) > now then return {{3, '', tonumber(r[3])}} end
-if ARGV[5] == '1' then return acquire(1) end
-return {{4, '', 0}}"
+        "local v = redis.call('GET', KEYS[1])
+if not v or #v ~= {len} or string.sub(v, 1, {tag_len}) ~= '{tag}'
+  or string.sub(v, {t0}, {t1}) ~= ARGV[1] then return 0 end
+{then}
+return 1",
+        len = IN_PROGRESS_LEN,
+        tag_len = IN_PROGRESS_TAG.len(),
+        t0 = TOKEN_AT + 1,
+        t1 = TOKEN_AT + 16,
     ))
-});
+}
 
-/// KEYS[1] key; ARGV token, state (1/2), payload, ttl ms. Returns 1 if applied.
+/// KEYS[1] key; ARGV token, the outcome record's header (`Record::encode` of the
+/// outcome with an empty payload), payload, ttl ms. Writes the header with the claim's
+/// fingerprint, then the payload. Returns 1 if applied.
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        "{NOW}
-local r = redis.call('HMGET', KEYS[1], 'state', 'token', 'exp')
-if r[1] ~= '0' or r[2] ~= ARGV[1] or not r[3] or tonumber(r[3]) <= now then return 0 end
-local exp = now + tonumber(ARGV[4])
-redis.call('HSET', KEYS[1], 'state', ARGV[2], 'lease', '', 'payload', ARGV[3], 'created', int(now), 'exp', int(exp))
-redis.call('PEXPIREAT', KEYS[1], int(exp))
-return 1"
+    as_owner(&format!(
+        "redis.call('SET', KEYS[1], string.sub(ARGV[2], 1, {f0}) .. string.sub(v, {f1}, {f2})
+  .. string.sub(ARGV[2], {f3}) .. ARGV[3], 'PX', ARGV[4])",
+        f0 = FINGERPRINT_AT,
+        f1 = FINGERPRINT_AT + 1,
+        f2 = FINGERPRINT_AT + 32,
+        f3 = FINGERPRINT_AT + 33,
     ))
 });
 
-/// KEYS[1] key; ARGV token. Returns 1 if applied.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        "{NOW}
-local r = redis.call('HMGET', KEYS[1], 'state', 'token', 'exp')
-if r[1] ~= '0' or r[2] ~= ARGV[1] or not r[3] or tonumber(r[3]) <= now then return 0 end
-redis.call('DEL', KEYS[1])
-return 1"
-    ))
+/// KEYS[1] key; ARGV token. Deletes the claim. Returns 1 if applied.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| as_owner("redis.call('DEL', KEYS[1])"));
+
+/// KEYS[1] key; ARGV the record a claim read, the record to write, ttl ms. Writes only
+/// if the key still holds exactly the record read. Returns 1 if applied.
+static REPLACE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1",
+    )
 });
 
-/// KEYS[1] key. Returns the live record's fields (missing ones as ''), or an empty
-/// array.
-static GET: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        "{NOW}
-local r = redis.call('HMGET', KEYS[1], 'fp', 'state', 'token', 'lease', 'payload', 'created', 'exp')
-if not r[1] or not r[7] or tonumber(r[7]) <= now then return {{}} end
-for i = 1, 7 do if not r[i] then r[i] = '' end end
-return r"
-    ))
-});
+/// A record as Redis returned it, decoded, and the time to decide on it by.
+struct Found {
+    /// The stored bytes, which a claim that replaces the record compares against.
+    bytes: Vec<u8>,
+    /// The decoded record, its times in the clock of `now`.
+    record: Record,
+    /// The server clock when the record was read; or 0, the record's own time, when it
+    /// was read without the clock (see [`RedisStore::set_if_absent`]).
+    now: Timestamp,
+}
 
-/// KEYS[1] key. Deletes it; returns 1 if it was live.
-static DELETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        "{NOW}
-local exp = redis.call('HGET', KEYS[1], 'exp')
-local existed = redis.call('DEL', KEYS[1])
-if existed == 1 and (not exp or tonumber(exp) == nil or tonumber(exp) > now) then return 1 end
-return 0"
-    ))
-});
+impl Found {
+    /// A record read with the key's time left (`PTTL`) and the server time: its times,
+    /// which count from the moment Redis stored it, are placed in the server's clock.
+    /// It was stored at *now + time left − expires at*.
+    fn in_time(key: &Key, bytes: Vec<u8>, left: i64, now: Timestamp) -> Result<Found, Error> {
+        let mut record = Record::decode(key.as_str(), &bytes)?;
+        let left = u64::try_from(left).map_err(|_| Error::CorruptRecord {
+            key: key.to_string(),
+            reason: "the Redis key has no expiry; idem sets one on every record".to_owned(),
+        })?;
+        let expires_at = now.0.saturating_add(left);
+        let stored_at = expires_at.saturating_sub(record.expires_at.0);
+        let shift = |t: Timestamp| Timestamp(t.0.saturating_add(stored_at));
+        record.created_at = shift(record.created_at);
+        record.expires_at = Timestamp(expires_at);
+        if let State::InProgress { lease_until, .. } = &mut record.state {
+            *lease_until = shift(*lease_until);
+        }
+        Ok(Found { bytes, record, now })
+    }
+}
+
+/// A TTL as Redis takes it: whole milliseconds, at least 1, at most [`MAX_PX`].
+fn px(ttl: Duration) -> u64 {
+    millis(ttl).clamp(1, MAX_PX)
+}
 
 /// A store in Redis, for workers on many machines. Cheap to clone.
 ///
@@ -248,15 +272,91 @@ impl RedisStore {
         for arg in args {
             invocation.arg(*arg);
         }
-        let mut connection = self.inner.connection.clone();
-        self.bounded(async {
-            invocation
-                .invoke_async(&mut connection)
-                .await
-                .map_err(redis_error)
-        })
+        self.send(
+            key,
+            |mut c| async move { invocation.invoke_async(&mut c).await },
+        )
         .await
     }
+
+    /// The claim's first step, one native command: `SET key claim NX GET PX ttl`.
+    /// Claims an absent key (`None`), or returns what is there, unchanged.
+    ///
+    /// Redis returns only live keys, and deciding on a completed or failed record
+    /// needs no clock, so those are decided on these bytes alone, and a hit costs one
+    /// command and writes nothing. Only a record in progress is read again, with
+    /// [`RedisStore::read`], to compare its lease with the server clock.
+    async fn set_if_absent(
+        &self,
+        key: &Key,
+        claim: &[u8],
+        ttl: u64,
+    ) -> Result<Option<Vec<u8>>, Error> {
+        let mut command = redis::cmd("SET");
+        command
+            .arg(self.redis_key(key))
+            .arg(claim)
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(ttl);
+        self.send(
+            key,
+            |mut c| async move { command.query_async(&mut c).await },
+        )
+        .await
+    }
+
+    /// The record under `key` placed in time: one atomic transaction of native
+    /// commands, `GET key`, `PTTL key`, `TIME`.
+    async fn read(&self, key: &Key) -> Result<Option<Found>, Error> {
+        let redis_key = self.redis_key(key);
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("GET")
+            .arg(&redis_key)
+            .cmd("PTTL")
+            .arg(&redis_key)
+            .cmd("TIME");
+        let (bytes, left, (secs, micros)): (Option<Vec<u8>>, i64, (u64, u64)) = self
+            .send(key, |mut c| async move { pipe.query_async(&mut c).await })
+            .await?;
+        let now = Timestamp(secs.saturating_mul(1000).saturating_add(micros / 1000));
+        bytes
+            .map(|bytes| Found::in_time(key, bytes, left, now))
+            .transpose()
+    }
+
+    /// Sends a request about `key` on a handle of the connection, within the store's
+    /// timeout.
+    async fn send<T, F>(
+        &self,
+        key: &Key,
+        send: impl FnOnce(ConnectionManager) -> F,
+    ) -> Result<T, Error>
+    where
+        F: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let connection = self.inner.connection.clone();
+        self.bounded(async { send(connection).await.map_err(|e| command_error(key, e)) })
+            .await
+    }
+}
+
+/// A Redis error of a command on `key`: a key of another Redis type (not an idem
+/// record) is [`Error::CorruptRecord`], anything else [`Error::Store`].
+fn command_error(key: &Key, e: redis::RedisError) -> Error {
+    let message = e.to_string();
+    let wrong_type = e
+        .into_server_errors()
+        .is_some_and(|errors| errors.iter().any(|(_, e)| e.code() == "WRONGTYPE"));
+    if wrong_type {
+        return Error::CorruptRecord {
+            key: key.to_string(),
+            reason: "the Redis key holds another type than a string: not an idem record".to_owned(),
+        };
+    }
+    redis_error(message)
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -267,59 +367,60 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-fn flag(b: bool) -> &'static [u8] {
-    if b {
-        b"1"
-    } else {
-        b"0"
-    }
-}
-
-/// Parses a decimal field of a stored hash.
-fn number(key: &Key, field: &str, bytes: &[u8]) -> Result<Timestamp, Error> {
-    std::str::from_utf8(bytes)
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .map(Timestamp)
-        .ok_or_else(|| Error::CorruptRecord {
-            key: key.to_string(),
-            reason: format!("field `{field}` is not a number"),
-        })
-}
-
 #[async_trait]
 impl Store for RedisStore {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
-        let token = request.token.0.to_be_bytes();
-        let lease = millis(request.lease).to_string();
-        let ttl = millis(request.ttl).to_string();
-        let (code, payload, number): (i64, Vec<u8>, i64) = self
-            .script(
-                &CLAIM,
-                key,
-                &[
-                    request.fingerprint.as_bytes(),
-                    &token,
-                    lease.as_bytes(),
-                    ttl.as_bytes(),
-                    flag(request.take_over_expired),
-                    flag(request.retry_failed),
-                ],
-            )
-            .await?;
-        Ok(match code {
-            0 => Claim::Acquired {
-                took_over: number == 1,
+        let ttl = px(request.ttl);
+        let claim = Record {
+            fingerprint: request.fingerprint,
+            created_at: Timestamp(0),
+            expires_at: Timestamp(ttl),
+            state: State::InProgress {
+                token: request.token,
+                lease_until: Timestamp(millis(request.lease)),
             },
-            1 => Claim::Completed(payload),
-            2 => Claim::Failed(payload),
-            3 => Claim::Busy {
-                lease_until: Timestamp(number.max(0) as u64),
-            },
-            4 => Claim::Abandoned,
-            5 => Claim::Mismatch,
-            other => return Err(redis_error(format!("claim script returned code {other}"))),
-        })
+        }
+        .encode();
+        for _ in 0..CLAIM_ATTEMPTS {
+            let Some(bytes) = self.set_if_absent(key, &claim, ttl).await? else {
+                return Ok(Claim::Acquired { took_over: false });
+            };
+            let record = Record::decode(key.as_str(), &bytes)?;
+            let found = if matches!(record.state, State::InProgress { .. }) {
+                // Only a lease needs the clock: read the record again, in time.
+                match self.read(key).await? {
+                    Some(found) => found,
+                    None => continue,
+                }
+            } else {
+                // Redis returned it, so it is live; decided at its own time 0.
+                Found {
+                    bytes,
+                    record,
+                    now: Timestamp(0),
+                }
+            };
+            let (decision, write) = decide_claim(Some(&found.record), request, found.now);
+            if write.is_none() {
+                return Ok(match decision {
+                    Claim::Busy { lease_until } => Claim::Busy {
+                        lease_until: Timestamp::now().after(lease_until.remaining(found.now)),
+                    },
+                    decision => decision,
+                });
+            }
+            let ttl = ttl.to_string();
+            let replaced: i64 = self
+                .script(&REPLACE, key, &[&found.bytes, &claim, ttl.as_bytes()])
+                .await?;
+            if replaced == 1 {
+                return Ok(decision);
+            }
+            tracing::debug!(%key, "record changed between a claim's read and its write; reading again");
+        }
+        Err(redis_error(format!(
+            "the record under `{key}` changed under each of {CLAIM_ATTEMPTS} claim attempts"
+        )))
     }
 
     async fn complete(
@@ -329,75 +430,63 @@ impl Store for RedisStore {
         outcome: Outcome<'_>,
         ttl: Duration,
     ) -> Result<Fenced, Error> {
-        let (state, payload): (&[u8], &[u8]) = match outcome {
-            Outcome::Completed(b) => (b"1", b),
-            Outcome::Failed(b) => (b"2", b),
+        let ttl = px(ttl);
+        let (state, payload) = match outcome {
+            Outcome::Completed(b) => (State::Completed { result: Vec::new() }, b),
+            Outcome::Failed(b) => (State::Failed { error: Vec::new() }, b),
         };
-        let ttl = millis(ttl).to_string();
+        // The header only: the script puts the claim's fingerprint in it, then the payload.
+        let header = Record {
+            fingerprint: Fingerprint::from_bytes([0; 32]),
+            created_at: Timestamp(0),
+            expires_at: Timestamp(ttl),
+            state,
+        }
+        .encode();
+        let ttl = ttl.to_string();
         let token = token.0.to_be_bytes();
         let applied: i64 = self
-            .script(&COMPLETE, key, &[&token, state, payload, ttl.as_bytes()])
+            .script(&COMPLETE, key, &[&token, &header, payload, ttl.as_bytes()])
             .await?;
-        Ok(if applied == 1 {
-            Fenced::Applied
-        } else {
-            Fenced::LostLease
-        })
+        Ok(fenced(applied))
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
         let token = token.0.to_be_bytes();
         let applied: i64 = self.script(&RELEASE, key, &[&token]).await?;
-        Ok(if applied == 1 {
-            Fenced::Applied
-        } else {
-            Fenced::LostLease
-        })
+        Ok(fenced(applied))
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
-        let fields: Vec<Vec<u8>> = self.script(&GET, key, &[]).await?;
-        let [fp, state, token, lease, payload, created, exp] =
-            match <[Vec<u8>; 7]>::try_from(fields) {
-                Ok(fields) => fields,
-                Err(fields) if fields.is_empty() => return Ok(None),
-                Err(_) => return Err(redis_error("get script returned a malformed record")),
-            };
-        let corrupt = |reason: &str| Error::CorruptRecord {
-            key: key.to_string(),
-            reason: reason.to_owned(),
-        };
-        let fingerprint: [u8; 32] = fp
-            .try_into()
-            .map_err(|_| corrupt("fingerprint is not 32 bytes"))?;
-        let state = match state.as_slice() {
-            b"0" => State::InProgress {
-                token: Token(u128::from_be_bytes(
-                    token
-                        .try_into()
-                        .map_err(|_| corrupt("token is not 16 bytes"))?,
-                )),
-                lease_until: number(key, "lease", &lease)?,
-            },
-            b"1" => State::Completed { result: payload },
-            b"2" => State::Failed { error: payload },
-            _ => return Err(corrupt("unknown state")),
-        };
-        Ok(Some(Record {
-            fingerprint: Fingerprint::from_bytes(fingerprint),
-            created_at: number(key, "created", &created)?,
-            expires_at: number(key, "exp", &exp)?,
-            state,
-        }))
+        Ok(self
+            .read(key)
+            .await?
+            .filter(|found| !found.record.is_expired(found.now))
+            .map(|found| found.record))
     }
 
     async fn delete(&self, key: &Key) -> Result<bool, Error> {
-        let live: i64 = self.script(&DELETE, key, &[]).await?;
-        Ok(live == 1)
+        let mut command = redis::cmd("DEL");
+        command.arg(self.redis_key(key));
+        let deleted: i64 = self
+            .send(
+                key,
+                |mut c| async move { command.query_async(&mut c).await },
+            )
+            .await?;
+        Ok(deleted == 1)
     }
 
-    /// Redis expires records itself (`PEXPIREAT`): nothing to purge.
+    /// Redis expires records itself (`PX`): nothing to purge.
     async fn purge_expired(&self) -> Result<u64, Error> {
         Ok(0)
+    }
+}
+
+fn fenced(applied: i64) -> Fenced {
+    if applied == 1 {
+        Fenced::Applied
+    } else {
+        Fenced::LostLease
     }
 }
