@@ -92,7 +92,8 @@ async fn redis_store_conforms() {
 
 /// What a Redis key holds is left alone, and reported, when it is not an idem record:
 /// bytes of another program, another Redis type, a claim someone made permanent (its
-/// lease cannot be placed in time without the key's expiry).
+/// lease cannot be placed in time without the key's expiry), a record that expires as
+/// it is stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
     let Some(url) = redis_url() else { return };
@@ -122,7 +123,18 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
         },
     }
     .encode();
-    let cases: [(&str, &[&[u8]], &str); 3] = [
+    // A completed record that says it expired as it was stored: replaying it, or
+    // claiming over it, would both be guesses.
+    let stillborn = Record {
+        fingerprint: request.fingerprint,
+        created_at: Timestamp(0),
+        expires_at: Timestamp(0),
+        state: State::Completed {
+            result: b"1".to_vec(),
+        },
+    }
+    .encode();
+    let cases: [(&str, &[&[u8]], &str); 4] = [
         (
             "bytes",
             &[b"SET", b"not a record", b"PX", b"60000"],
@@ -130,6 +142,11 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
         ),
         ("hash", &[b"HSET", b"fp", b"x"], "type"),
         ("permanent", &[b"SET", &permanent], "expiry"),
+        (
+            "stillborn",
+            &[b"SET", &stillborn, b"PX", b"60000"],
+            "expires when",
+        ),
     ];
     for (name, write, reason) in cases {
         let key = Key::from_text(name);

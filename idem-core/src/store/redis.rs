@@ -9,17 +9,19 @@
 //!
 //! # Round trips
 //!
-//! - **Claim**: one atomic transaction of native commands, `SET key claim NX GET PX
-//!   ttl`, `PTTL key`, `TIME`. An absent key is claimed by the `SET`; a present one is
-//!   returned unchanged, so a hit writes nothing and costs one round trip and no
-//!   script. `PTTL` and `TIME` place the record found in the server's time (stored at
-//!   *now + time left − expires at*), and [`decide_claim`] decides on it. Taking over
-//!   an abandoned claim or retrying a cached error is a second step: a script that
-//!   replaces the record only if it is still, byte for byte, the one read, or else the
-//!   claim reads again.
+//! - **Claim**: one native command, `SET key claim NX GET PX ttl`. It claims an
+//!   absent key, or returns the record there unchanged. Redis returns only live keys,
+//!   and only a lease needs a clock, so a completed, failed or other-input record is
+//!   decided on those bytes alone ([`decide_claim`] at the record's own time 0): a
+//!   hit is one round trip, runs no script and writes nothing. A record in progress is
+//!   read again in one transaction, `GET`, `PTTL`, `TIME`, which places it in the
+//!   server's time (stored at *now + time left − expires at*) so its lease can be
+//!   compared with the server clock. Taking over an abandoned claim or retrying a
+//!   cached error is one more step: a script that replaces the record only if it is
+//!   still, byte for byte, the one read; otherwise the claim starts again.
 //! - **Complete** and **release**: one Lua script each, fenced by the owner's token.
 //!   A miss is the claim plus a completion: two round trips, one of them a script.
-//! - **Get** is the claim's transaction without the `SET`; **delete** is `DEL`.
+//! - **Get** is that `GET`, `PTTL`, `TIME` transaction; **delete** is `DEL`.
 //!
 //! Every time is the **Redis server clock** (`TIME`, and the key's TTL), so workers
 //! with skewed clocks agree on leases and expiry, except [`Claim::Busy`]'s
@@ -116,12 +118,26 @@ struct Found {
     now: Timestamp,
 }
 
+/// Decodes a record read from Redis. Every record idem stores there lives at least
+/// 1 ms from the moment it was stored, which is what lets a claim decide on a record at
+/// its own time 0; bytes that say otherwise are corrupt.
+fn decode(key: &Key, bytes: &[u8]) -> Result<Record, Error> {
+    let record = Record::decode(key.as_str(), bytes)?;
+    if record.expires_at <= record.created_at {
+        return Err(Error::CorruptRecord {
+            key: key.to_string(),
+            reason: "the record expires when it is stored".to_owned(),
+        });
+    }
+    Ok(record)
+}
+
 impl Found {
     /// A record read with the key's time left (`PTTL`) and the server time: its times,
     /// which count from the moment Redis stored it, are placed in the server's clock.
     /// It was stored at *now + time left − expires at*.
     fn in_time(key: &Key, bytes: Vec<u8>, left: i64, now: Timestamp) -> Result<Found, Error> {
-        let mut record = Record::decode(key.as_str(), &bytes)?;
+        let mut record = decode(key, &bytes)?;
         let left = u64::try_from(left).map_err(|_| Error::CorruptRecord {
             key: key.to_string(),
             reason: "the Redis key has no expiry; idem sets one on every record".to_owned(),
@@ -210,20 +226,44 @@ impl RedisStoreBuilder {
         })
     }
 
-    /// Builds the store and checks the server answers (`PING`).
+    /// Builds the store and checks the server answers, and that it is Redis 7.0 or
+    /// later (`SET` with both `NX` and `GET`), as `INFO server` tells. A server that
+    /// refuses `INFO` (an ACL) is not checked; an older one is an [`Error::Store`].
     pub async fn connect(self) -> Result<RedisStore, Error> {
         let store = self.build()?;
-        store
+        let info = store
             .bounded(async {
                 let mut c = store.inner.connection.clone();
-                redis::cmd("PING")
+                match redis::cmd("INFO")
+                    .arg("server")
                     .query_async::<String>(&mut c)
                     .await
-                    .map_err(redis_error)
+                {
+                    Ok(info) => Ok(Some(info)),
+                    // The server answered, with an error: it is up, and says no.
+                    Err(e) if e.code().is_some() => Ok(None),
+                    Err(e) => Err(redis_error(e)),
+                }
             })
             .await?;
+        if let Some((major, minor)) = info.as_deref().and_then(server_version) {
+            if major < 7 {
+                return Err(redis_error(format!(
+                    "Redis {major}.{minor} is too old: idem needs 7.0 or later (SET with NX and GET)"
+                )));
+            }
+        }
         Ok(store)
     }
+}
+
+/// The `redis_version` line of `INFO server`, as (major, minor).
+fn server_version(info: &str) -> Option<(u32, u32)> {
+    let version = info
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("redis_version:"))?;
+    let mut parts = version.split('.').map(str::parse::<u32>);
+    Some((parts.next()?.ok()?, parts.next()?.ok()?))
 }
 
 fn redis_error(e: impl std::fmt::Display) -> Error {
@@ -385,7 +425,7 @@ impl Store for RedisStore {
             let Some(bytes) = self.set_if_absent(key, &claim, ttl).await? else {
                 return Ok(Claim::Acquired { took_over: false });
             };
-            let record = Record::decode(key.as_str(), &bytes)?;
+            let record = decode(key, &bytes)?;
             let found = if matches!(record.state, State::InProgress { .. }) {
                 // Only a lease needs the clock: read the record again, in time.
                 match self.read(key).await? {
@@ -488,5 +528,19 @@ fn fenced(applied: i64) -> Fenced {
         Fenced::Applied
     } else {
         Fenced::LostLease
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_version_reads_the_info_line() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nredis_git_sha1:00000000\r\n";
+        assert_eq!(server_version(info), Some((7, 0)));
+        assert_eq!(server_version("redis_version:6.2.14\n"), Some((6, 2)));
+        assert_eq!(server_version("redis_version:unknown\n"), None);
+        assert_eq!(server_version("# Server\n"), None);
     }
 }
