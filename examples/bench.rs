@@ -11,7 +11,7 @@
 //! Every figure is the median of 15 batches measured in this one run, and each
 //! compared pair is measured side by side (their batches alternate), so the ratios
 //! compare like with like on a noisy machine. The input is a 513-byte email and the
-//! result a 114-byte message id, as JSON. Takes under a minute.
+//! result a 114-byte message id, as JSON. Takes about a minute.
 
 #[path = "support/scenario.rs"]
 mod scenario;

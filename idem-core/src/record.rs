@@ -14,6 +14,10 @@
 //!               completed / failed: the serialized result / error (JSON), to the end
 //! ```
 //!
+//! The Redis store keeps these same bytes with its times counted from the moment Redis
+//! stored the record, since a native `SET` cannot read the server's clock (see the
+//! Redis store's module docs, feature `redis`).
+//!
 //! Bytes that do not start with the magic, are too short, or carry an unknown state are
 //! an [`Error::CorruptRecord`]; a known magic with an unknown version is an
 //! [`Error::UnsupportedFormat`]. Both name the key. Decoding never panics.
