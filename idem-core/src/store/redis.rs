@@ -393,7 +393,9 @@ fn command_error(key: &Key, e: redis::RedisError) -> Error {
     if wrong_type {
         return Error::CorruptRecord {
             key: key.to_string(),
-            reason: "the Redis key holds another type than a string: not an idem record".to_owned(),
+            reason: "the Redis key holds another type than a string: not a record this idem \
+                     reads (earlier builds kept hashes; delete the key or let it expire)"
+                .to_owned(),
         };
     }
     redis_error(message)
