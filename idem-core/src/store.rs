@@ -59,7 +59,8 @@ pub enum Claim {
     Failed(Vec<u8>),
     /// Another call holds the key until `lease_until`.
     Busy {
-        /// When the other call's lease runs out.
+        /// When the other call's lease runs out, by this process's clock (a store that
+        /// decides by a server's clock converts it).
         lease_until: Timestamp,
     },
     /// An earlier claim's lease expired without an outcome, and the request does not
@@ -276,6 +277,19 @@ pub fn decide_fenced(
             _ => Err(Fenced::LostLease),
         },
         _ => Err(Fenced::LostLease),
+    }
+}
+
+/// A claim decided by a server's clock, as the caller needs it: a `Busy` lease end is
+/// moved from the server's clock (`server_now`) to this process's clock, the one a
+/// waiting call sleeps by, so clock skew does not stretch or shorten the wait.
+#[cfg(any(feature = "postgres", feature = "redis"))]
+pub(crate) fn in_local_clock(claim: Claim, server_now: Timestamp) -> Claim {
+    match claim {
+        Claim::Busy { lease_until } => Claim::Busy {
+            lease_until: Timestamp::now().after(lease_until.remaining(server_now)),
+        },
+        claim => claim,
     }
 }
 

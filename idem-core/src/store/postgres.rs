@@ -24,7 +24,8 @@
 //! # Statements
 //!
 //! Every time comes from the **database clock** (`now()`), so workers with skewed
-//! clocks agree on leases and expiry.
+//! clocks agree on leases and expiry, except [`Claim::Busy`]'s `lease_until`, which is
+//! converted to this process's clock, the one a waiting call sleeps by.
 //!
 //! - **claim** is one statement in the common cases: it inserts a fresh claim if the
 //!   key has no row, and reads the row that was there and the database time:
@@ -80,7 +81,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
 use crate::record::{Record, State, Timestamp, Token};
-use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::store::{decide_claim, in_local_clock, Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{Error, Fingerprint, Key};
 
 const STORE: &str = "postgres";
@@ -472,7 +473,7 @@ impl Store for PostgresStore {
                 };
                 let (claim, write) = decide_claim(Some(&current), request, now);
                 if write.is_none() {
-                    return Ok(claim);
+                    return Ok(in_local_clock(claim, now));
                 }
                 let stmt = client
                     .prepare_cached(&self.inner.sql.claim)

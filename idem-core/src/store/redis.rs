@@ -48,7 +48,7 @@ use crate::record::{
     millis, Record, State, Timestamp, Token, FINGERPRINT_AT, IN_PROGRESS_LEN, IN_PROGRESS_TAG,
     TOKEN_AT,
 };
-use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::store::{decide_claim, in_local_clock, Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{Error, Fingerprint, Key};
 
 const STORE: &str = "redis";
@@ -444,12 +444,7 @@ impl Store for RedisStore {
             };
             let (decision, write) = decide_claim(Some(&found.record), request, found.now);
             if write.is_none() {
-                return Ok(match decision {
-                    Claim::Busy { lease_until } => Claim::Busy {
-                        lease_until: Timestamp::now().after(lease_until.remaining(found.now)),
-                    },
-                    decision => decision,
-                });
+                return Ok(in_local_clock(decision, found.now));
             }
             let ttl = ttl.to_string();
             let replaced: i64 = self
