@@ -90,6 +90,22 @@ async fn redis_store_conforms() {
     testing::run_all(Arc::new(store)).await;
 }
 
+/// A store under a prefix of its own, and a plain connection to the same server, to
+/// read or write its keys behind its back.
+async fn redis_store_and_connection(
+    url: &str,
+    name: &str,
+) -> (RedisStore, redis::aio::MultiplexedConnection) {
+    let store = RedisStore::builder(url)
+        .prefix(format!("{}:", unique(name)))
+        .connect()
+        .await
+        .unwrap();
+    let client = redis::Client::open(url).unwrap();
+    let conn = client.get_multiplexed_async_connection().await.unwrap();
+    (store, conn)
+}
+
 /// What a Redis key holds is left alone, and reported, when it is not an idem record:
 /// bytes of another program, another Redis type, a claim someone made permanent (its
 /// lease cannot be placed in time without the key's expiry), a record that expires as
@@ -97,14 +113,8 @@ async fn redis_store_conforms() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
     let Some(url) = redis_url() else { return };
-    let prefix = format!("{}:", unique("idem-foreign"));
-    let store = RedisStore::builder(&url)
-        .prefix(&prefix)
-        .connect()
-        .await
-        .unwrap();
-    let client = redis::Client::open(url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let (store, mut conn) = redis_store_and_connection(&url, "idem-foreign").await;
+    let prefix = store.prefix().to_owned();
     let request = ClaimRequest {
         fingerprint: Fingerprint::from_bytes([1; 32]),
         token: Token::generate().unwrap(),
@@ -192,13 +202,7 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_record_times_are_the_server_clock() {
     let Some(url) = redis_url() else { return };
-    let store = RedisStore::builder(&url)
-        .prefix(format!("{}:", unique("idem-times")))
-        .connect()
-        .await
-        .unwrap();
-    let client = redis::Client::open(url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let (store, mut conn) = redis_store_and_connection(&url, "idem-times").await;
     let server_now = |(secs, micros): (u64, u64)| secs * 1000 + micros / 1000;
     let key = Key::from_text("times");
     let request = ClaimRequest {

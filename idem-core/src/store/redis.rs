@@ -12,8 +12,10 @@
 //! - **Claim**: one native command, `SET key claim NX GET PX ttl`. It claims an
 //!   absent key, or returns the record there unchanged. Redis returns only live keys,
 //!   and only a lease needs a clock, so a completed, failed or other-input record is
-//!   decided on those bytes alone ([`decide_claim`] at the record's own time 0): a
-//!   hit is one round trip, runs no script and writes nothing. A record in progress is
+//!   decided on those bytes alone, at the record's own time 0: a hit is read in place
+//!   ([`Record::replayable_result`], as sled's hit path reads it), anything else by
+//!   [`decide_claim`]. A hit is one round trip, runs no script, writes nothing and
+//!   copies nothing. A record in progress is
 //!   read again in one transaction, `GET`, `PTTL`, `TIME`, which places it in the
 //!   server's time (stored at *now + time left − expires at*) so its lease can be
 //!   compared with the server clock. Taking over an abandoned claim or retrying a
@@ -424,9 +426,19 @@ impl Store for RedisStore {
         }
         .encode();
         for _ in 0..CLAIM_ATTEMPTS {
-            let Some(bytes) = self.set_if_absent(key, &claim, ttl).await? else {
+            let Some(mut bytes) = self.set_if_absent(key, &claim, ttl).await? else {
                 return Ok(Claim::Acquired { took_over: false });
             };
+            // A hit: the result is the tail of the bytes Redis returned, handed on
+            // without a copy. The record is live (Redis returned it), so it is read at
+            // its own time 0.
+            if let Some(result) =
+                Record::replayable_result(&bytes, &request.fingerprint, Timestamp(0))
+            {
+                let header = bytes.len() - result.len();
+                bytes.drain(..header);
+                return Ok(Claim::Completed(bytes));
+            }
             let record = decode(key, &bytes)?;
             let found = if matches!(record.state, State::InProgress { .. }) {
                 // Only a lease needs the clock: read the record again, in time.
@@ -446,9 +458,9 @@ impl Store for RedisStore {
             if write.is_none() {
                 return Ok(in_local_clock(decision, found.now));
             }
-            let ttl = ttl.to_string();
+            let px = ttl.to_string();
             let replaced: i64 = self
-                .script(&REPLACE, key, &[&found.bytes, &claim, ttl.as_bytes()])
+                .script(&REPLACE, key, &[&found.bytes, &claim, px.as_bytes()])
                 .await?;
             if replaced == 1 {
                 return Ok(decision);
