@@ -13,7 +13,8 @@
 //! - `sled_hit_by_size/<records>`: a hit with 10³, 10⁵ and 10⁶ records stored;
 //! - `sled_purge/<records>`: purging that many expired records;
 //! - `redis`, `postgres` (with `--features postgres,redis` and `IDEM_REDIS_URL` /
-//!   `IDEM_POSTGRES_URL`): hit and miss next to one round trip, one query, two commits.
+//!   `IDEM_POSTGRES_URL`): hit and miss next to one round trip, one query, two commits;
+//!   for Redis also a hit answered by a `LocalCache` in front of the store.
 
 #[path = "../examples/support/scenario.rs"]
 mod scenario;
@@ -221,15 +222,22 @@ fn network(c: &mut Criterion) {
     if let Ok(url) = std::env::var("IDEM_REDIS_URL") {
         let mut group = c.benchmark_group("redis");
         let prefix = format!("idem-bench-{}:", std::process::id());
-        let (run, floor) = rt.block_on(async {
-            let run = scenario::redis_run(&url, &prefix).await;
-            (run, scenario::RedisFloor::connect(&url).await)
+        let (run, cached, floor) = rt.block_on(async {
+            let run = scenario::redis_run(&url, &prefix, false).await;
+            let cached = scenario::redis_run(&url, &prefix, true).await;
+            (run, cached, scenario::RedisFloor::connect(&url).await)
         });
         rt.block_on(send_email(&run, &input)).unwrap();
         group.bench_function("floor/one round trip", |b| {
             b.iter_custom(|iters| per_iter(&rt, iters, |_| floor.round_trip()))
         });
         bench_hit_and_miss(&mut group, &rt, &run, &input, 1_000_000);
+        // A LocalCache keeps what its own process completed: complete through it first.
+        let probe = email(1, BODY);
+        rt.block_on(send_email(&cached, &probe)).unwrap();
+        group.bench_function("hit, LocalCache", |b| {
+            b.iter_custom(|iters| per_iter(&rt, iters, |_| send_email(&cached, &probe)))
+        });
         group.finish();
         rt.block_on(floor.clean(&prefix));
     }

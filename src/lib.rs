@@ -81,8 +81,8 @@
 pub use idem_core::testing;
 pub use idem_core::{
     current_key, default_store, default_store_dir, key, options, protocol, record,
-    set_default_store, store, sweeper, Call, Delivery, Error, Fingerprint, Key, MemoryStore,
-    OnBusy, Options, Record, Run, SledStore, SledStoreBuilder, State, Store,
+    set_default_store, store, sweeper, Call, Delivery, Error, Fingerprint, Key, LocalCache,
+    MemoryStore, OnBusy, Options, Record, Run, SledStore, SledStoreBuilder, State, Store,
 };
 #[cfg(feature = "postgres")]
 pub use idem_core::{PostgresStore, PostgresStoreBuilder};

@@ -130,12 +130,15 @@ pub fn sled_two_flushes(raw: &sled::Db, k: u64, log: Option<&std::fs::File>) {
 }
 
 /// Writes `records` entries made by `entry` into `tree`, one insert each (as a store
-/// fills), then flushes. Not `apply_batch`: sled 0.34 leaves a tree filled by large
-/// batches with nodes it does not split, and a get there takes 8 to 15 µs from 3·10⁵
-/// records on, where a tree filled one insert at a time answers in under 1 µs at 10⁶.
+/// fills), in key order, then flushes. Key order: random keys make sled copy a
+/// different node on every insert, and a 10⁶-record fill took twice as long. Not
+/// `apply_batch`: sled 0.34 leaves a tree filled by large batches with nodes it does
+/// not split, and a get there takes 8 to 15 µs from 3·10⁵ records on, where a tree
+/// filled one insert at a time answers in under 1 µs at 10⁶.
 fn fill(tree: &sled::Tree, records: u64, entry: impl Fn(u64) -> (Vec<u8>, Vec<u8>)) {
-    for i in 0..records {
-        let (k, v) = entry(i);
+    let mut entries: Vec<_> = (0..records).map(entry).collect();
+    entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    for (k, v) in entries {
         tree.insert(k, v).unwrap();
     }
     tree.flush().unwrap();
@@ -167,30 +170,51 @@ pub fn floor_key(input: &SendEmail) -> [u8; 64] {
     hex
 }
 
-/// The Redis floor: one `GET` round trip on a plain multiplexed connection.
+/// The Redis floor: one `GET` round trip on a plain multiplexed connection, of a value
+/// as long as a hit's record (168 bytes: the 54-byte header and the 114-byte result),
+/// as the Postgres floor reads a row that exists.
 #[cfg(feature = "redis")]
-pub struct RedisFloor(redis::aio::MultiplexedConnection);
+pub struct RedisFloor {
+    connection: redis::aio::MultiplexedConnection,
+    key: String,
+}
 
 #[cfg(feature = "redis")]
 impl RedisFloor {
     pub async fn connect(url: &str) -> RedisFloor {
         let client = redis::Client::open(url).unwrap();
-        RedisFloor(client.get_multiplexed_async_connection().await.unwrap())
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        let key = format!("idem-bench-floor:{}", std::process::id());
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg(&[7u8; 168][..])
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        RedisFloor { connection, key }
     }
 
-    /// One round trip: `GET` of a key that does not exist.
+    /// One round trip: `GET` of the floor's value.
     pub async fn round_trip(&self) {
-        let mut c = self.0.clone();
-        let _: Option<Vec<u8>> = redis::cmd("GET")
-            .arg("idem-bench-floor")
+        let mut c = self.connection.clone();
+        let value: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(&self.key)
             .query_async(&mut c)
             .await
             .unwrap();
+        std::hint::black_box(value.unwrap());
     }
 
     /// Deletes every key under `prefix` (what a benchmark's store wrote).
     pub async fn clean(&self, prefix: &str) {
-        let mut c = self.0.clone();
+        let mut c = self.connection.clone();
+        let _: () = redis::cmd("DEL")
+            .arg(&self.key)
+            .query_async(&mut c)
+            .await
+            .unwrap();
         let _: () = redis::cmd("EVAL")
             .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
             .arg(0)
@@ -201,15 +225,20 @@ impl RedisFloor {
     }
 }
 
-/// A run on a `RedisStore` under `prefix`.
+/// A run on a `RedisStore` under `prefix`; with `local_cache`, behind a `LocalCache`.
 #[cfg(feature = "redis")]
-pub async fn redis_run(url: &str, prefix: &str) -> Run {
+pub async fn redis_run(url: &str, prefix: &str, local_cache: bool) -> Run {
     let store = idem::RedisStore::builder(url)
         .prefix(prefix)
         .connect()
         .await
         .unwrap();
-    Run::new("bench-redis").with_store(store)
+    let run = Run::new("bench-redis");
+    if local_cache {
+        run.with_store(idem::LocalCache::new(store))
+    } else {
+        run.with_store(store)
+    }
 }
 
 /// The Postgres floors, on a table `<table>_floor (k int8 PRIMARY KEY, v bytea)`: one

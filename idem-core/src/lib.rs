@@ -13,6 +13,7 @@
 //! | per-tool options (TTL, lease, waiting, delivery) | [`options`] |
 //! | the run context, `current_key`, the default store | [`run`] |
 //! | the stores | [`MemoryStore`], [`SledStore`], `PostgresStore` (feature `postgres`), `RedisStore` (feature `redis`) |
+//! | replaying this process's results from memory, in front of a shared store | [`LocalCache`] |
 //! | removing expired records in the background | [`sweeper`] |
 //! | the store conformance suite (feature `testing`) | `testing` |
 //!
@@ -47,6 +48,7 @@ pub use protocol::{
 };
 pub use record::{Record, State, Timestamp, Token};
 pub use run::{current_key, default_store, default_store_dir, set_default_store, Run};
+pub use store::local_cache::LocalCache;
 pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use store::postgres::{PostgresStore, PostgresStoreBuilder};

@@ -138,7 +138,8 @@ pub trait Store: Send + Sync + 'static {
     /// lent, not copied.
     ///
     /// The default never calls `replay`, which is always correct; the memory and sled
-    /// stores answer from their maps. A hit answered here skips the claim's fencing
+    /// stores answer from their maps, and [`LocalCache`](local_cache::LocalCache) from
+    /// the results its process completed. A hit answered here skips the claim's fencing
     /// token, its boxed future and a copy of the result.
     fn with_completed_result(
         &self,
@@ -309,6 +310,7 @@ pub(crate) async fn bounded<T>(
     }
 }
 
+pub mod local_cache;
 pub mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use idem_core::{testing, MemoryStore, SledStore};
+use idem_core::{testing, LocalCache, MemoryStore, SledStore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_store_conforms() {
@@ -20,4 +20,9 @@ async fn sled_store_in_fsync_mode_conforms() {
     let dir = tempfile::tempdir().unwrap();
     let store = SledStore::builder(dir.path()).fsync(true).open().unwrap();
     testing::run_all(Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_cache_over_the_memory_store_conforms() {
+    testing::run_all(Arc::new(LocalCache::new(MemoryStore::new()))).await;
 }

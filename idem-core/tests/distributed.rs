@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use idem_core::store::{Claim, ClaimRequest};
 use idem_core::{
-    execute, testing, Call, Error, Fingerprint, Key, Options, PostgresStore, Record, RedisStore,
-    ReleaseErrors, Run, State, Store, Timestamp, Token,
+    execute, testing, Call, Error, Fingerprint, Key, LocalCache, Options, PostgresStore, Record,
+    RedisStore, ReleaseErrors, Run, State, Store, Timestamp, Token,
 };
 
 fn postgres_url() -> Option<String> {
@@ -82,12 +82,24 @@ async fn postgres_store_conforms() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_store_conforms() {
     let Some(url) = redis_url() else { return };
-    let store = RedisStore::builder(&url)
-        .prefix(format!("{}:", unique("idem-conformance")))
+    let store = redis_store(&url, "idem-conformance").await;
+    testing::run_all(Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_cache_over_the_redis_store_conforms() {
+    let Some(url) = redis_url() else { return };
+    let store = redis_store(&url, "idem-cache-conformance").await;
+    testing::run_all(Arc::new(LocalCache::new(store))).await;
+}
+
+/// A store under a prefix of its own.
+async fn redis_store(url: &str, name: &str) -> RedisStore {
+    RedisStore::builder(url)
+        .prefix(format!("{}:", unique(name)))
         .connect()
         .await
-        .unwrap();
-    testing::run_all(Arc::new(store)).await;
+        .unwrap()
 }
 
 /// A store under a prefix of its own, and a plain connection to the same server, to
@@ -96,11 +108,7 @@ async fn redis_store_and_connection(
     url: &str,
     name: &str,
 ) -> (RedisStore, redis::aio::MultiplexedConnection) {
-    let store = RedisStore::builder(url)
-        .prefix(format!("{}:", unique(name)))
-        .connect()
-        .await
-        .unwrap();
+    let store = redis_store(url, name).await;
     let client = redis::Client::open(url).unwrap();
     let conn = client.get_multiplexed_async_connection().await.unwrap();
     (store, conn)
