@@ -2,7 +2,8 @@
 //! keys, with a short lease that slow bodies outlive, so claims are taken over while
 //! their first owner still runs (takeover) and that owner's late completion must be
 //! refused (fencing). Memory and sled run in one process; Postgres and Redis run in
-//! three worker processes at once, each with its own connection.
+//! three worker processes at once, each with its own connection. Memory and Redis run
+//! again with a `LocalCache` in front (in each worker process, for Redis).
 //!
 //! Checked per key: every caller that got a value got the same one; the store holds
 //! that value (no stale owner overwrote it); and the body ran exactly once per
@@ -173,6 +174,13 @@ async fn memory_store_concurrency_campaign() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store_behind_a_local_cache_concurrency_campaign() {
+    let store: Arc<dyn Store> = Arc::new(idem::LocalCache::new(MemoryStore::new()));
+    let lines = drive(&store, &run_id(), 3, TASKS).await;
+    check(&lines, &*store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sled_store_concurrency_campaign() {
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn Store> = Arc::new(idem::SledStore::open(dir.path()).unwrap());
@@ -212,13 +220,18 @@ mod fleet {
                     .unwrap(),
             ),
             #[cfg(feature = "redis")]
-            "redis" => Arc::new(
-                idem::RedisStore::builder(url)
+            "redis" | "redis+local-cache" => {
+                let redis = idem::RedisStore::builder(url)
                     .prefix("idem-concurrency:")
                     .connect()
                     .await
-                    .unwrap(),
-            ),
+                    .unwrap();
+                if store == "redis" {
+                    Arc::new(redis)
+                } else {
+                    Arc::new(idem::LocalCache::new(redis))
+                }
+            }
             other => panic!("no {other} store in this build"),
         }
     }
@@ -279,7 +292,9 @@ mod fleet {
             let journal = std::fs::read_to_string(out).unwrap();
             lines.extend(journal.lines().map(str::to_owned));
         }
-        let store = connect(store, url).await;
+        // Checked on the shared store itself, as a process without a cache sees it.
+        let shared = store.trim_end_matches("+local-cache");
+        let store = connect(shared, url).await;
         print!("{PROCESSES} processes on {}: ", store_name(url));
         check(&lines, &*store).await;
     }
@@ -303,6 +318,17 @@ async fn postgres_store_concurrency_campaign_across_processes() {
 async fn redis_store_concurrency_campaign_across_processes() {
     match std::env::var("IDEM_REDIS_URL") {
         Ok(url) => fleet::campaign("redis", &url).await,
+        Err(_) => println!("SKIPPED redis concurrency campaign: IDEM_REDIS_URL is not set"),
+    }
+}
+
+/// Each worker process with a `LocalCache` in front of the shared Redis: a cache must
+/// replay only the newest owner's value, never a fenced-off owner's.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_behind_local_caches_concurrency_campaign_across_processes() {
+    match std::env::var("IDEM_REDIS_URL") {
+        Ok(url) => fleet::campaign("redis+local-cache", &url).await,
         Err(_) => println!("SKIPPED redis concurrency campaign: IDEM_REDIS_URL is not set"),
     }
 }

@@ -131,7 +131,7 @@ pub fn sled_two_flushes(raw: &sled::Db, k: u64, log: Option<&std::fs::File>) {
 
 /// Writes `records` entries made by `entry` into `tree`, one insert each (as a store
 /// fills), in key order, then flushes. Key order: random keys make sled copy a
-/// different node on every insert, and a 10⁶-record fill took twice as long. Not
+/// different node on every insert, and a 10⁶-record fill took 1.8 times as long. Not
 /// `apply_batch`: sled 0.34 leaves a tree filled by large batches with nodes it does
 /// not split, and a get there takes 8 to 15 µs from 3·10⁵ records on, where a tree
 /// filled one insert at a time answers in under 1 µs at 10⁶.
