@@ -124,7 +124,8 @@ async fn a_result_is_not_replayed_past_its_ttl() {
 /// removal through the cache at once.
 #[tokio::test]
 async fn a_removal_elsewhere_is_seen_after_max_age_and_through_the_cache_at_once() {
-    let (behind, cache) = cached(Duration::from_millis(200));
+    // Long enough that the replay right after the removal is surely within it.
+    let (behind, cache) = cached(Duration::from_millis(500));
     let run = Run::new("r").with_store(cache.clone());
     let runs = AtomicUsize::new(0);
     let first = send(&run, Options::new(), "a", &runs).await.unwrap();
@@ -139,7 +140,7 @@ async fn a_removal_elsewhere_is_seen_after_max_age_and_through_the_cache_at_once
         first,
         "within max_age the cache still replays"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     let second = send(&run, Options::new(), "a", &runs).await.unwrap();
     assert_ne!(
         second, first,

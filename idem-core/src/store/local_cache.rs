@@ -3,14 +3,17 @@
 //!
 //! A hit on Postgres or Redis costs a round trip. When the retry of a call comes back
 //! to the worker that ran it, [`LocalCache`] answers from memory instead: it keeps the
-//! results this process itself stored, each for at most `max_age` and never past its
-//! record's expiry, and asks the store it wraps about everything else.
+//! results this process itself stored, each for at most `max_age` and never longer than
+//! its TTL from the moment its completion began (so not past its record's expiry), and
+//! asks the store it wraps about everything else. Both are counted on the monotonic
+//! clock, so a wall clock that jumps does not stretch them.
 //!
 //! # What it keeps, and what it does not
 //!
 //! - Only completed results that a claim *by this process* acquired and this process
 //!   completed: it knows their fingerprint (from the claim) and a time before their
-//!   record expires (the completion started before the store wrote the record).
+//!   record expires (the completion began before the store wrote the record, which
+//!   then lives for the TTL).
 //!   Results it only replayed from the store are not kept: their expiry would cost
 //!   another round trip to learn.
 //! - Nothing in progress, failed or mismatched: the store decides those, so every
@@ -184,7 +187,7 @@ impl<S: Store> LocalCache<S> {
         }
     }
 
-    /// Keeps each result for at most `max_age` (and never past its record's expiry).
+    /// Keeps each result for at most `max_age` (and never longer than its TTL).
     /// This is also how long a removal by another process can go unseen here.
     pub fn max_age(mut self, max_age: Duration) -> Self {
         self.max_age = max_age;
