@@ -290,8 +290,11 @@ impl<S: Store> Store for LocalCache<S> {
     }
 
     async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        let deleted = self.inner.delete(key).await;
+        // After the store's delete, so a completion that landed before it is dropped
+        // too; also when the delete failed, as the record's state is then unknown.
         self.lock().remove(key);
-        self.inner.delete(key).await
+        deleted
     }
 
     async fn purge_expired(&self) -> Result<u64, Error> {
