@@ -410,12 +410,12 @@ mod network {
         let cached = scenario::redis_run(url, &prefix, true).await;
         let probe = email(1, BODY);
         send_email(&cached, &probe).await.unwrap();
-        let (local, rt) =
+        let (local, local_rt) =
             compare(500, |_| send_email(&cached, &probe), |_| floor.round_trip()).await;
         t.row(
             "redis + LocalCache: hit",
             local,
-            Some(("one round trip (GET of 168 B)", rt)),
+            Some(("one round trip (GET of 168 B)", local_rt)),
         );
         let (miss, two) = compare(
             200,

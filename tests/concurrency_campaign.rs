@@ -199,6 +199,8 @@ mod fleet {
 
     const WORKER: &str = "IDEM_CONCURRENCY_WORKER";
     const PROCESSES: u64 = 3;
+    /// The suffix of a store name whose workers put a `LocalCache` in front of it.
+    pub const LOCAL_CACHE: &str = "+local-cache";
 
     #[derive(serde::Serialize, serde::Deserialize)]
     struct Job {
@@ -220,19 +222,23 @@ mod fleet {
                     .unwrap(),
             ),
             #[cfg(feature = "redis")]
-            "redis" | "redis+local-cache" => {
-                let redis = idem::RedisStore::builder(url)
+            "redis" => Arc::new(
+                idem::RedisStore::builder(url)
                     .prefix("idem-concurrency:")
                     .connect()
                     .await
-                    .unwrap();
-                if store == "redis" {
-                    Arc::new(redis)
-                } else {
-                    Arc::new(idem::LocalCache::new(redis))
-                }
-            }
+                    .unwrap(),
+            ),
             other => panic!("no {other} store in this build"),
+        }
+    }
+
+    /// A worker's store: `<store>`, or `<store>+local-cache` for that store behind a
+    /// `LocalCache` of the worker's own.
+    async fn worker_store(store: &str, url: &str) -> Arc<dyn Store> {
+        match store.strip_suffix(LOCAL_CACHE) {
+            Some(shared) => Arc::new(idem::LocalCache::new(connect(shared, url).await)),
+            None => connect(store, url).await,
         }
     }
 
@@ -251,7 +257,7 @@ mod fleet {
             .build()
             .unwrap();
         let lines = runtime.block_on(async {
-            let store = connect(&job.store, &job.url).await;
+            let store = worker_store(&job.store, &job.url).await;
             drive(&store, &job.run_id, job.seed, TASKS / PROCESSES).await
         });
         std::fs::write(&job.out, lines.join("\n")).unwrap();
@@ -293,7 +299,7 @@ mod fleet {
             lines.extend(journal.lines().map(str::to_owned));
         }
         // Checked on the shared store itself, as a process without a cache sees it.
-        let shared = store.trim_end_matches("+local-cache");
+        let shared = store.strip_suffix(LOCAL_CACHE).unwrap_or(store);
         let store = connect(shared, url).await;
         print!("{PROCESSES} processes on {}: ", store_name(url));
         check(&lines, &*store).await;
@@ -328,7 +334,7 @@ async fn redis_store_concurrency_campaign_across_processes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_behind_local_caches_concurrency_campaign_across_processes() {
     match std::env::var("IDEM_REDIS_URL") {
-        Ok(url) => fleet::campaign("redis+local-cache", &url).await,
+        Ok(url) => fleet::campaign(&format!("redis{}", fleet::LOCAL_CACHE), &url).await,
         Err(_) => println!("SKIPPED redis concurrency campaign: IDEM_REDIS_URL is not set"),
     }
 }

@@ -288,3 +288,19 @@ async fn memory_is_bounded_and_the_oldest_go_first() {
     assert_eq!(behind.claims(), claims + 1, "the oldest was dropped");
     assert_eq!(runs.load(SeqCst), 100, "and replayed by the store");
 }
+
+/// Purging drops the results whose time is up, as it drops the store's expired records.
+#[tokio::test]
+async fn purge_drops_stale_results() {
+    let (_, cache) = cached(Duration::from_millis(100));
+    let run = Run::new("r").with_store(cache.clone());
+    let runs = AtomicUsize::new(0);
+    send(&run, Options::new(), "a", &runs).await.unwrap();
+    send(&run, Options::new().ttl(MINUTE), "b", &runs)
+        .await
+        .unwrap();
+    assert_eq!(cache.cached(), 2);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cache.purge_expired().await.unwrap();
+    assert_eq!(cache.cached(), 0, "max_age is up for both");
+}

@@ -160,6 +160,19 @@ impl Entries {
         Some(entry.held)
     }
 
+    /// Drops the results no longer fresh at `now` (their queue slots go when they come
+    /// up).
+    fn drop_stale(&mut self, now: Instant) {
+        let bytes = &mut self.bytes;
+        self.map.retain(|key, entry| {
+            let stale = matches!(entry.held, Held::Completed { until, .. } if until <= now);
+            if stale {
+                *bytes -= Self::size(key, &entry.held);
+            }
+            !stale
+        });
+    }
+
     /// Removes the claim `token` holds on `key`, returning its fingerprint.
     fn take_claim(&mut self, key: &Key, token: Token) -> Option<Fingerprint> {
         match self.map.get(key)?.held {
@@ -298,19 +311,7 @@ impl<S: Store> Store for LocalCache<S> {
     }
 
     async fn purge_expired(&self) -> Result<u64, Error> {
-        {
-            let mut entries = self.lock();
-            let now = Instant::now();
-            let stale: Vec<Key> = entries
-                .map
-                .iter()
-                .filter(|(_, e)| matches!(e.held, Held::Completed { until, .. } if until <= now))
-                .map(|(k, _)| k.clone())
-                .collect();
-            for key in &stale {
-                entries.remove(key);
-            }
-        }
+        self.lock().drop_stale(Instant::now());
         self.inner.purge_expired().await
     }
 
