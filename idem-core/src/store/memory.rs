@@ -72,9 +72,14 @@ impl MemoryStore {
     /// by hand that share their last eight bytes share a map, which is still correct.
     fn shard(&self, key: &Key) -> &Shard {
         let bytes = key.as_str().as_bytes();
-        let mut tail = [0u8; 8];
-        let n = bytes.len().min(8);
-        tail[..n].copy_from_slice(&bytes[bytes.len() - n..]);
+        let tail = match bytes.len().checked_sub(8) {
+            Some(at) => bytes[at..].try_into().unwrap_or_default(),
+            None => {
+                let mut short = [0u8; 8];
+                short[..bytes.len()].copy_from_slice(bytes);
+                short
+            }
+        };
         // Fibonacci hashing: the product's top bits depend on every bit of the tail.
         let mixed = u64::from_le_bytes(tail).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         &self.shards[(mixed >> (64 - SHARDS.trailing_zeros())) as usize]
