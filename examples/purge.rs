@@ -139,8 +139,9 @@ async fn filled_memory(records: u64) -> MemoryStore {
 }
 
 /// A Postgres store on a table of its own holding `records` completed records that
-/// expired an hour ago, written by one `INSERT … SELECT` (a record's sizes: a 32-byte
-/// fingerprint, a 16-byte token, a 114-byte result).
+/// expired about an hour ago, a millisecond apart as records written over time do,
+/// written by one `INSERT … SELECT` (a record's sizes: a 32-byte fingerprint, a 16-byte
+/// token, a 114-byte result).
 #[cfg(feature = "postgres")]
 async fn filled_postgres(url: &str, table: &str, records: u64) -> idem::PostgresStore {
     let store = idem::PostgresStore::builder(url)

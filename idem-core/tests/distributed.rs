@@ -79,6 +79,52 @@ async fn postgres_store_conforms() {
     drop_table(&url, &table).await;
 }
 
+/// A purge deletes in batches of 10,000 rows, each starting at the last one's latest
+/// expiry: a backlog of several batches goes whole, also where rows sharing an expiry
+/// straddle the border of two batches and expiries fall between whole milliseconds,
+/// and live rows stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_purge_removes_a_backlog_of_many_batches_and_keeps_live_rows() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_purge");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .connect()
+        .await
+        .unwrap();
+    let client = store.pool().get().await.unwrap();
+    // Seven expired rows to an expiry, expiries 0.5 ms apart from a whole millisecond:
+    // the first border (row 10,000) falls inside a group on a whole millisecond, the
+    // second (row 20,000) inside one between two. Then 100 live rows.
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {table}
+             SELECT 'expired.' || g, '\\x00', 1, '\\x00', NULL, '\\x00', now() - interval '2 hours',
+                    date_trunc('milliseconds', now()) - interval '1 hour'
+                        + (g / 7) * interval '500 microseconds'
+             FROM generate_series(1, 25003) AS g;
+             INSERT INTO {table}
+             SELECT 'live.' || g, '\\x00', 1, '\\x00', NULL, '\\x00', now(), now() + interval '1 hour'
+             FROM generate_series(1, 100) AS g;"
+        ))
+        .await
+        .unwrap();
+
+    assert_eq!(store.purge_expired().await.unwrap(), 25_003);
+    let left: Vec<String> = client
+        .query(&format!("SELECT key FROM {table}"), &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(left.len(), 100, "rows left: {left:?}");
+    assert!(left.iter().all(|key| key.starts_with("live.")), "{left:?}");
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+    drop(client);
+    drop_table(&url, &table).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_store_conforms() {
     let Some(url) = redis_url() else { return };
