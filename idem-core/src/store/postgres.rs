@@ -591,7 +591,7 @@ impl Store for PostgresStore {
         }
     }
 
-    /// Deletes expired rows in batches of [`PURGE_BATCH`], each one statement within
+    /// Deletes expired rows in batches of 10,000 rows, each one statement within
     /// the store's timeout (see the module docs). A purge that fails part-way keeps
     /// what its earlier batches removed.
     async fn purge_expired(&self) -> Result<u64, Error> {
