@@ -9,9 +9,9 @@
 //! For each store (memory, sled, and Postgres when `IDEM_POSTGRES_URL` is set), it
 //! fills the store with expired records (10⁶ by default, `--records N`), then one task
 //! makes a hit and a miss about every millisecond: for two seconds first, then while
-//! `Store::purge_expired` runs in another task. It prints how long the purge took and
-//! the latency of those calls before and during the purge (median, 99th percentile and
-//! worst). Redis needs no purge: its keys expire on their own. Takes about a minute
+//! `Store::purge_expired` runs in another task, and for a second after it returns. It
+//! prints how long the purge took and the latency of those calls before, during and
+//! after the purge (median, 99th percentile and worst). Redis needs no purge: its keys expire on their own. Takes about a minute
 //! for 10⁶ records, most of it filling sled.
 
 #[path = "support/scenario.rs"]
@@ -36,11 +36,24 @@ struct Args {
 /// How long calls are measured before the purge starts.
 const BEFORE: Duration = Duration::from_secs(2);
 
+/// How long calls are measured after the purge returns: a store may leave work behind
+/// (the memory store frees what it removed on a blocking thread, sled flushes).
+const AFTER: Duration = Duration::from_secs(1);
+
 /// The latencies of the hits and the misses made in one phase.
 #[derive(Default)]
 struct Latencies {
     hits: Vec<Duration>,
     misses: Vec<Duration>,
+}
+
+/// The calls before, during and after a purge, and how long the purge took.
+#[derive(Default)]
+struct Phases {
+    before: Latencies,
+    during: Latencies,
+    after: Latencies,
+    took: Duration,
 }
 
 /// One timed call: when it started and ended, and whether it was a hit.
@@ -52,18 +65,19 @@ struct Timed {
 
 /// Makes a hit (of a call completed beforehand) and a miss (of a new call) on `store`
 /// about every millisecond; after [`BEFORE`], starts the purge in another task and goes
-/// on until it ends. Returns the calls that ended before the purge began, those that
-/// overlapped it (a call the purge held up counts, even if it started first), and how
-/// long the purge took.
-async fn measure<S: Store + Clone>(store: S, records: u64) -> (Latencies, Latencies, Duration) {
+/// on until [`AFTER`] past its end. Sorts the calls into those that ended before the
+/// purge began, those that overlapped it (a call the purge held up counts, even if it
+/// started first), and those after it.
+async fn measure<S: Store + Clone>(store: S, records: u64) -> Phases {
     let run = Run::new("purge").with_store(store.clone());
     let live = email(u64::MAX, BODY);
     send_email(&run, &live).await.unwrap();
     let start = Instant::now();
-    let mut purge = None;
+    let (mut purge, mut returned) = (None, None::<Instant>);
     let mut calls = Vec::new();
     for n in 1u64.. {
         match &purge {
+            _ if returned.is_some_and(|at| at.elapsed() >= AFTER) => break,
             None if start.elapsed() >= BEFORE => {
                 let store = store.clone();
                 purge = Some(tokio::spawn(async move {
@@ -72,7 +86,9 @@ async fn measure<S: Store + Clone>(store: S, records: u64) -> (Latencies, Latenc
                     (removed, began, Instant::now())
                 }));
             }
-            Some(task) if task.is_finished() => break,
+            Some(task) if returned.is_none() && task.is_finished() => {
+                returned = Some(Instant::now());
+            }
             _ => {}
         }
         // Above the numbers of the emails `scenario::filled_store` wrote.
@@ -92,14 +108,17 @@ async fn measure<S: Store + Clone>(store: S, records: u64) -> (Latencies, Latenc
         .await
         .unwrap();
     assert_eq!(removed, records, "the purge removes every expired record");
-    let (mut before, mut during) = (Latencies::default(), Latencies::default());
+    let mut phases = Phases {
+        took: ended - began,
+        ..Phases::default()
+    };
     for call in calls {
         let phase = if call.end <= began {
-            &mut before
+            &mut phases.before
         } else if call.start < ended {
-            &mut during
+            &mut phases.during
         } else {
-            continue;
+            &mut phases.after
         };
         let took = call.end - call.start;
         if call.hit {
@@ -108,7 +127,7 @@ async fn measure<S: Store + Clone>(store: S, records: u64) -> (Latencies, Latenc
             phase.misses.push(took)
         }
     }
-    (before, during, ended - began)
+    phases
 }
 
 /// Fills a memory store through the `Store` trait: `records` completed records that
@@ -201,13 +220,11 @@ fn fmt(d: Duration) -> String {
     }
 }
 
-fn report(store: &str, (mut before, mut during, took): (Latencies, Latencies, Duration)) {
-    print_row(store, "before the purge", &mut before);
-    print_row(
-        "",
-        &format!("during it ({:.2} s)", took.as_secs_f64()),
-        &mut during,
-    );
+fn report(store: &str, mut phases: Phases) {
+    print_row(store, "before the purge", &mut phases.before);
+    let during = format!("during it ({:.2} s)", phases.took.as_secs_f64());
+    print_row("", &during, &mut phases.during);
+    print_row("", "the second after it", &mut phases.after);
 }
 
 fn main() {

@@ -180,12 +180,12 @@ impl Store for MemoryStore {
     }
 
     /// Walks the maps one at a time, so calls wait at most for one map's walk. The
-    /// removed records are freed after the map's lock is released (freeing is most of
-    /// a purge's work), and the task yields between maps, so other tasks on its thread
-    /// go on too.
+    /// removed records are freed after the map's lock is released, on a blocking thread
+    /// when there is a tokio runtime, and the task yields between maps, so other tasks
+    /// on its thread go on too.
     async fn purge_expired(&self) -> Result<u64, Error> {
         let now = Timestamp::now();
-        let mut removed = 0;
+        let (mut removed, mut garbage) = (0, Vec::new());
         for shard in self.shards.iter() {
             let mut expired = Vec::new();
             write(shard).retain(|key, record| {
@@ -196,8 +196,14 @@ impl Store for MemoryStore {
                 keep
             });
             removed += expired.len() as u64;
-            drop(expired);
+            garbage.push(expired);
             tokio::task::yield_now().await;
+        }
+        // Freeing is most of a purge's work. On a tokio runtime it goes to one blocking
+        // thread, off the threads that run calls.
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(move || drop(garbage))),
+            Err(_) => drop(garbage),
         }
         Ok(removed)
     }
