@@ -260,36 +260,58 @@ mod tests {
         assert!(spread.len() > 1, "every short key landed in one map");
     }
 
-    #[tokio::test]
-    async fn purge_empties_every_map_of_expired_records_and_keeps_live_ones() {
-        let store = MemoryStore::new();
-        let result = b"\"sent\"";
-        let write = |key: &Key, ttl: Duration| {
-            let record = Record {
+    /// `records` records under derived keys, every other one expired after 1 ms; waits
+    /// until those have expired. Returns a handle on one expired record, to see when it
+    /// is freed.
+    fn filled(store: &MemoryStore, records: u32) -> std::sync::Weak<Record> {
+        let mut expired = None;
+        for i in 0..records {
+            let ttl = Duration::from_millis(if i % 2 == 0 { 1 } else { 60_000 });
+            let record = Arc::new(Record {
                 fingerprint: Fingerprint::from_bytes([1; 32]),
                 created_at: Timestamp::now(),
                 expires_at: Timestamp::now().after(ttl),
                 state: State::Completed {
-                    result: result.to_vec(),
+                    result: b"\"sent\"".to_vec(),
                 },
-            };
-            write(store.shard(key)).insert(key.clone(), Arc::new(record));
-        };
-        for i in 0..2_000 {
-            let ttl = if i % 2 == 0 { 1 } else { 60_000 };
-            write(&derived(i), Duration::from_millis(ttl));
+            });
+            expired.get_or_insert_with(|| Arc::downgrade(&record));
+            let key = derived(i);
+            write(store.shard(&key)).insert(key, record);
         }
-        assert_eq!(store.len(), 2_000);
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        std::thread::sleep(Duration::from_millis(20));
+        expired.unwrap_or_default()
+    }
 
+    async fn purged_every_map(store: &MemoryStore) {
         assert_eq!(store.purge_expired().await.unwrap(), 1_000);
         assert_eq!(store.len(), 1_000);
         for i in 0..2_000 {
             let record = store.get(&derived(i)).await.unwrap();
             assert_eq!(record.is_some(), i % 2 == 1, "record {i} after the purge");
         }
-        assert!(store.shards.iter().all(|shard| read(shard)
-            .values()
-            .all(|r| !r.is_expired(Timestamp::now()))));
+    }
+
+    #[tokio::test]
+    async fn purge_empties_every_map_of_expired_records_and_frees_them() {
+        let store = MemoryStore::new();
+        let expired = filled(&store, 2_000);
+        purged_every_map(&store).await;
+        let start = std::time::Instant::now();
+        while expired.strong_count() > 0 {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "a purged record was never freed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[test]
+    fn purge_without_a_runtime_frees_in_place() {
+        let store = MemoryStore::new();
+        let expired = filled(&store, 2_000);
+        pollster::block_on(purged_every_map(&store));
+        assert_eq!(expired.strong_count(), 0, "a purged record is still alive");
     }
 }
