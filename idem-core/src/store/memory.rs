@@ -195,9 +195,14 @@ impl Store for MemoryStore {
                 }
                 keep
             });
-            removed += expired.len() as u64;
-            garbage.push(expired);
+            if !expired.is_empty() {
+                removed += expired.len() as u64;
+                garbage.push(expired);
+            }
             tokio::task::yield_now().await;
+        }
+        if garbage.is_empty() {
+            return Ok(0);
         }
         // Freeing is most of a purge's work. On a tokio runtime it goes to one blocking
         // thread, off the threads that run calls.

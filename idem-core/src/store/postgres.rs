@@ -72,8 +72,10 @@
 //!   SELECT count(*), max(expires_at) FROM gone
 //!   ```
 //!
-//!   until a batch comes back short. Each batch starts where the last one ended, so it
-//!   does not walk the index entries of the rows just deleted. Every statement stays
+//!   until a batch comes back short. `$1` is the last batch's latest expiry (in whole
+//!   milliseconds, rounded down, so rows sharing it are not skipped): each batch starts
+//!   where the last one ended, and does not walk the index entries of the rows just
+//!   deleted. Every statement stays
 //!   well within the store's timeout whatever the backlog (one `DELETE` of 10⁶ rows
 //!   took 0.6–0.9 s here, so a backlog of some millions would outlast the 5-second
 //!   default and the purge would report a timeout), and no transaction holds locks and
