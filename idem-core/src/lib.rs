@@ -26,6 +26,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod blocking;
 mod canonical;
 mod error;
 pub mod key;

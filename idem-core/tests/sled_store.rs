@@ -377,3 +377,63 @@ fn misses_flush_and_replay_from_every_kind_of_thread() {
         assert_eq!(&got, value);
     }
 }
+
+/// On a current-thread runtime whose blocking pool can start no thread (here the OS
+/// cannot map the stack it asks for; elsewhere a process at its thread limit), where
+/// `tokio::task::spawn_blocking` panics, the store flushes and purges in place: the
+/// body runs once, a retry gets its value back, the result is on disk, and the purge
+/// removes what expired.
+#[test]
+fn a_runtime_that_starts_no_blocking_thread_flushes_and_purges_in_place() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let crippled = tokio::runtime::Builder::new_current_thread()
+        .thread_stack_size(1 << 62)
+        .enable_time()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    let run = Run::new("r").with_store(store.clone());
+    let runs = AtomicUsize::new(0);
+    let call = |ttl: Duration| {
+        execute::<Result<usize, Error>, ReleaseErrors, _>(
+            Call::new(Some(&run), "send_email", Options::new().ttl(ttl), &"ada"),
+            async { Ok(runs.fetch_add(1, Ordering::SeqCst)) },
+        )
+    };
+    let hour = Duration::from_secs(3600);
+    let first = crippled.block_on(call(hour)).unwrap().unwrap();
+    let retry = crippled.block_on(call(hour)).unwrap().unwrap();
+    assert_eq!(
+        (first, retry),
+        (0, 0),
+        "the retry did not replay the first result"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let short = Run::new("short").with_store(store.clone());
+    crippled
+        .block_on(execute::<Result<u8, Error>, ReleaseErrors, _>(
+            Call::new(
+                Some(&short),
+                "t",
+                Options::new().ttl(Duration::from_millis(200)),
+                &1,
+            ),
+            async { Ok(1) },
+        ))
+        .unwrap()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(250));
+    assert_eq!(crippled.block_on(store.purge_expired()).unwrap(), 1);
+    assert_eq!(store.len(), 1);
+
+    drop((run, short, store));
+    let reopened = Run::new("r").with_store(SledStore::open(dir.path()).unwrap());
+    let replayed = crippled.block_on(execute::<Result<usize, Error>, ReleaseErrors, _>(
+        Call::new(Some(&reopened), "send_email", Options::new(), &"ada"),
+        async { Ok(99) },
+    ));
+    assert_eq!(replayed.unwrap().unwrap(), 0, "the result was not on disk");
+}

@@ -11,7 +11,7 @@ use crate::record::{Record, State, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, Store,
 };
-use crate::{Error, Fingerprint, Key};
+use crate::{blocking, Error, Fingerprint, Key};
 
 /// How many maps a [`MemoryStore`] spreads its records over, each behind its own lock.
 /// A purge locks one map at a time, so a call waits at most for one map's share of the
@@ -205,10 +205,9 @@ impl Store for MemoryStore {
             return Ok(0);
         }
         // Freeing is most of a purge's work. On a tokio runtime it goes to one blocking
-        // thread, off the threads that run calls.
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(move || drop(garbage))),
-            Err(_) => drop(garbage),
+        // thread, off the threads that run calls; nothing waits for it.
+        if let Err(free) = blocking::hand_off(move || drop(garbage)) {
+            free();
         }
         Ok(removed)
     }
@@ -310,6 +309,20 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    /// A runtime whose blocking pool can start no thread: the OS cannot map the stack
+    /// it asks for (`tokio::task::spawn_blocking` panics there).
+    #[test]
+    fn purge_on_a_runtime_that_starts_no_thread_frees_in_place() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .thread_stack_size(1 << 62)
+            .build()
+            .unwrap();
+        let store = MemoryStore::new();
+        let expired = filled(&store, 2_000);
+        runtime.block_on(purged_every_map(&store));
+        assert_eq!(expired.strong_count(), 0, "a purged record is still alive");
     }
 
     #[test]

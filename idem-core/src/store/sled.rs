@@ -31,7 +31,7 @@ use async_trait::async_trait;
 
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, Store};
-use crate::{Error, Fingerprint, Key};
+use crate::{blocking, Error, Fingerprint, Key};
 
 /// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
 ///
@@ -350,8 +350,9 @@ impl Drop for Running<'_> {
 /// flushes: about 25 µs more per flush where the worker had gone idle meanwhile (145 µs
 /// against 117 µs in place, on a 2-core machine). A current-thread runtime has no
 /// other worker to hand its tasks to (and `block_in_place` panics there), so there the
-/// flush goes to a blocking thread; outside any runtime (a sync tool) it simply blocks
-/// this thread. The flavor is that of the runtime whose context the call runs in.
+/// flush goes to a blocking thread, or runs in place when the OS starts none; outside
+/// any runtime (a sync tool) it simply blocks this thread. The flavor is that of the
+/// runtime whose context the call runs in.
 async fn flush_blocking(
     tree: &::sled::Tree,
     fsync: Option<&Arc<std::fs::File>>,
@@ -368,12 +369,11 @@ async fn flush_blocking(
         Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(|| flush(tree, fsync.map(|f| &**f)))
         }
-        Ok(handle) => {
+        Ok(_) => {
             let (tree, fsync) = (tree.clone(), fsync.cloned());
-            handle
-                .spawn_blocking(move || flush(&tree, fsync.as_deref()))
+            blocking::run(move || flush(&tree, fsync.as_deref()))
                 .await
-                .map_err(|e| Error::store("sled", format!("flush task failed: {e}")))?
+                .unwrap_or_else(|| Err(Error::store("sled", "the flush panicked")))
         }
         Err(_) => flush(tree, fsync.map(|f| &**f)),
     }
@@ -501,8 +501,8 @@ impl Store for SledStore {
     }
 
     /// Walks the tree and removes expired records, reading only their headers. The walk
-    /// runs on a tokio blocking thread (when there is a runtime), so calls go on while
-    /// a large store is purged; each removal is a compare-and-swap, so a key re-claimed
+    /// runs on a tokio blocking thread (when there is a runtime and the OS starts one),
+    /// so calls go on while a large store is purged; each removal is a compare-and-swap, so a key re-claimed
     /// meanwhile is left alone.
     async fn purge_expired(&self) -> Result<u64, Error> {
         let tree = self.inner.tree.clone();
@@ -524,13 +524,9 @@ impl Store for SledStore {
             }
             Ok(removed)
         };
-        let removed = match tokio::runtime::Handle::try_current() {
-            Ok(handle) => handle
-                .spawn_blocking(walk)
-                .await
-                .map_err(|e| Error::store("sled", format!("purge task failed: {e}")))??,
-            Err(_) => walk()?,
-        };
+        let removed = blocking::run(walk)
+            .await
+            .unwrap_or_else(|| Err(Error::store("sled", "the purge walk panicked")))?;
         if removed > 0 {
             self.flush().await?;
         }
