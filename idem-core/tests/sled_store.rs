@@ -388,7 +388,7 @@ fn a_runtime_that_starts_no_blocking_thread_flushes_and_purges_in_place() {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     let crippled = tokio::runtime::Builder::new_current_thread()
-        .thread_stack_size(1 << 62)
+        .thread_stack_size(usize::MAX >> 2)
         .enable_time()
         .build()
         .unwrap();

@@ -316,7 +316,7 @@ mod tests {
     #[test]
     fn purge_on_a_runtime_that_starts_no_thread_frees_in_place() {
         let runtime = tokio::runtime::Builder::new_current_thread()
-            .thread_stack_size(1 << 62)
+            .thread_stack_size(usize::MAX >> 2)
             .build()
             .unwrap();
         let store = MemoryStore::new();
