@@ -381,8 +381,8 @@ fn misses_flush_and_replay_from_every_kind_of_thread() {
 /// On a current-thread runtime whose blocking pool can start no thread (here the OS
 /// cannot map the stack it asks for; elsewhere a process at its thread limit), where
 /// `tokio::task::spawn_blocking` panics, the store flushes and purges in place: the
-/// body runs once, a retry gets its value back, the result is on disk, and the purge
-/// removes what expired.
+/// body runs once, a retry gets its value back, the purge removes what expired, and
+/// the result is still there when the store is opened again.
 #[test]
 fn a_runtime_that_starts_no_blocking_thread_flushes_and_purges_in_place() {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -435,5 +435,9 @@ fn a_runtime_that_starts_no_blocking_thread_flushes_and_purges_in_place() {
         Call::new(Some(&reopened), "send_email", Options::new(), &"ada"),
         async { Ok(99) },
     ));
-    assert_eq!(replayed.unwrap().unwrap(), 0, "the result was not on disk");
+    assert_eq!(
+        replayed.unwrap().unwrap(),
+        0,
+        "the result did not survive reopening"
+    );
 }

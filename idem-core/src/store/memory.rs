@@ -181,8 +181,8 @@ impl Store for MemoryStore {
 
     /// Walks the maps one at a time, so calls wait at most for one map's walk. The
     /// removed records are freed after the map's lock is released, on a blocking thread
-    /// when there is a tokio runtime, and the task yields between maps, so other tasks
-    /// on its thread go on too.
+    /// when there is a tokio runtime (in place if the OS starts no thread), and the task
+    /// yields between maps, so other tasks on its thread go on too.
     async fn purge_expired(&self) -> Result<u64, Error> {
         let now = Timestamp::now();
         let (mut removed, mut garbage) = (0, Vec::new());

@@ -502,8 +502,8 @@ impl Store for SledStore {
 
     /// Walks the tree and removes expired records, reading only their headers. The walk
     /// runs on a tokio blocking thread (when there is a runtime and the OS starts one),
-    /// so calls go on while a large store is purged; each removal is a compare-and-swap, so a key re-claimed
-    /// meanwhile is left alone.
+    /// so calls go on while a large store is purged; each removal is a
+    /// compare-and-swap, so a key re-claimed meanwhile is left alone.
     async fn purge_expired(&self) -> Result<u64, Error> {
         let tree = self.inner.tree.clone();
         let walk = move || -> Result<u64, Error> {
