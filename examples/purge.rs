@@ -11,8 +11,8 @@
 //! makes a hit and a miss about every millisecond: for two seconds first, then while
 //! `Store::purge_expired` runs in another task, and for a second after it returns. It
 //! prints how long the purge took and the latency of those calls before, during and
-//! after the purge (median, 99th percentile and worst). Redis needs no purge: its keys expire on their own. Takes about a minute
-//! for 10⁶ records, most of it filling sled.
+//! after the purge (median, 99th percentile and worst). Redis needs no purge: its keys
+//! expire on their own. Takes about a minute for 10⁶ records, most of it filling sled.
 
 #[path = "support/scenario.rs"]
 mod scenario;

@@ -75,11 +75,10 @@
 //!   until a batch comes back short. `$1` is the last batch's latest expiry (in whole
 //!   milliseconds, rounded down, so rows sharing it are not skipped): each batch starts
 //!   where the last one ended, and does not walk the index entries of the rows just
-//!   deleted. Every statement stays
-//!   well within the store's timeout whatever the backlog (one `DELETE` of 10⁶ rows
-//!   took 0.6–0.9 s here, so a backlog of some millions would outlast the 5-second
-//!   default and the purge would report a timeout), and no transaction holds locks and
-//!   piles up WAL for long. A row that a claim re-claims meanwhile gets a new version
+//!   deleted. Every statement stays well within the store's timeout whatever the
+//!   backlog (one `DELETE` of 10⁶ rows took 0.6–0.9 s here, so a backlog of some
+//!   millions would outlast the 5-second default and the purge would report a
+//!   timeout), and no transaction holds locks and piles up WAL for long. A row that a claim re-claims meanwhile gets a new version
 //!   that is not expired: the outer test keeps it.
 //!
 //! # Failures
