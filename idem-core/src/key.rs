@@ -1,7 +1,8 @@
-//! Key derivation: the input fingerprint and the idempotency key.
+//! Key derivation: the fingerprint of a call and its idempotency key.
 //!
-//! A key answers three questions: *who* (the run id, and optionally a tenant and a
-//! call id), *what* (the tool name) and *with what* (a SHA-256 digest of the input).
+//! A key answers three questions, in one SHA-256 digest: *who* (the run id, and
+//! optionally a tenant and a call id), *what* (the tool name) and *with what* (the
+//! input).
 //!
 //! # Canonical input
 //!
@@ -16,15 +17,24 @@
 //! An input serde cannot express as JSON (a map with non-string keys) is an
 //! [`Error::Input`]: it is never hashed as a shared value.
 //!
-//! # Key text
+//! # Fingerprint and key
 //!
-//! [`Key::derive`] hashes an unambiguous, length-prefixed encoding of every part, so a
-//! run id containing a separator is data, not structure: two different sets of parts
-//! can only share a key through a SHA-256 collision. The text form is
-//! `<tool label>.<64 hex digits>`: printable ASCII, at most 129 characters, usable as
-//! an `Idempotency-Key` header downstream. The label (the tool name with characters
-//! outside `[A-Za-z0-9_-]` replaced by `_`, cut at 64) is only there to make keys
-//! readable in a store; the digest alone carries identity.
+//! A [`Fingerprint`] is SHA-256 over an unambiguous encoding of the key parts
+//! ([`KeyParts`]: tenant, run id, call id, tool) followed by an input's canonical JSON,
+//! hashed in one pass. Each part is presence-tagged and length-prefixed, so a run id
+//! containing a separator is data, not structure: two different calls can only share a
+//! fingerprint through a SHA-256 collision.
+//!
+//! A [`Key`] is the fingerprint of the arguments that form the key (all of them by
+//! default), as text: `<tool label>.<64 hex digits>`, printable ASCII, at most 129
+//! characters, usable as an `Idempotency-Key` header downstream. The label (the tool
+//! name with characters outside `[A-Za-z0-9_-]` replaced by `_`, cut at 64) is only
+//! there to make keys readable in a store; the digest alone carries identity. A record
+//! stores the fingerprint of the whole input, so when the key covers the whole input
+//! the key's digest and the record's fingerprint are one hash, computed once.
+//!
+//! The encoding starts with its version, `idem/key/v2`. Keys are stored: a new
+//! version orphans every stored record, and a retry that spans the upgrade runs again.
 
 use std::cell::RefCell;
 use std::fmt;
@@ -36,31 +46,35 @@ use sha2::{Digest, Sha256};
 use crate::protocol::KeyInput;
 use crate::{canonical, Error};
 
-/// The SHA-256 digest of an input's canonical serialization.
+/// The SHA-256 digest of a call: its key parts and the canonical form of an input.
 ///
-/// Stored with every record and compared on every hit: the same key with another
-/// fingerprint is a [`Error::PayloadMismatch`].
+/// A record stores the fingerprint of the call's whole input, and every hit compares
+/// it: the same key with another fingerprint is a [`Error::PayloadMismatch`]. A key is
+/// the fingerprint of the arguments that form it, as text (see [`Key`]); when the key
+/// covers the whole input (the default) the two are one digest, computed once.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
 thread_local! {
-    /// The buffer canonical input is written into before hashing, reused by every call
-    /// on the thread.
+    /// The buffer a call's encoding is written into before hashing, reused by every
+    /// call on the thread.
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Names the encoding, so that no other hash of these bytes is ever mistaken for one.
+const VERSION: &[u8] = b"idem/key/v2";
+
 impl Fingerprint {
-    /// Fingerprints a value: SHA-256 over its canonical JSON (see the module docs).
-    ///
-    /// `tool` only names the tool in the error if the value cannot be serialized.
-    pub fn of<T: Serialize + ?Sized>(tool: &str, value: &T) -> Result<Self, Error> {
-        Self::hash(tool, |buf| canonical::write(buf, value))
+    /// Fingerprints a call of `parts` with `input`: SHA-256 over the parts and the
+    /// input's canonical JSON (see the module docs).
+    pub fn of<T: Serialize + ?Sized>(parts: &KeyParts<'_>, input: &T) -> Result<Self, Error> {
+        Self::hash(parts, |buf| canonical::write(buf, input))
     }
 
-    /// Fingerprints a list of arguments: the same as fingerprinting them as one JSON
-    /// array (or tuple).
-    pub fn of_args(tool: &str, args: &[&dyn KeyInput]) -> Result<Self, Error> {
-        Self::hash(tool, |buf| {
+    /// Fingerprints a call of `parts` with a list of arguments: the same as
+    /// fingerprinting them as one JSON array (or tuple).
+    pub fn of_args(parts: &KeyParts<'_>, args: &[&dyn KeyInput]) -> Result<Self, Error> {
+        Self::hash(parts, |buf| {
             buf.push(b'[');
             for (i, arg) in args.iter().enumerate() {
                 if i > 0 {
@@ -73,13 +87,15 @@ impl Fingerprint {
         })
     }
 
-    /// SHA-256 of what `write` puts into the thread's scratch buffer.
+    /// SHA-256 of the encoded parts followed by what `write` appends, all written into
+    /// the thread's scratch buffer and hashed in one pass.
     fn hash(
-        tool: &str,
+        parts: &KeyParts<'_>,
         write: impl Fn(&mut Vec<u8>) -> Result<(), serde_json::Error>,
     ) -> Result<Self, Error> {
         let hash = |buf: &mut Vec<u8>| {
             buf.clear();
+            parts.encode(buf);
             let written = write(buf);
             let digest = written.map(|()| Fingerprint(Sha256::digest(&buf[..]).into()));
             if buf.capacity() > canonical::SCRATCH_KEEP {
@@ -94,7 +110,7 @@ impl Fingerprint {
                 Err(_) => hash(&mut Vec::new()),
             })
             .map_err(|source| Error::Input {
-                tool: tool.to_owned(),
+                tool: parts.tool.to_owned(),
                 source,
             })
     }
@@ -120,14 +136,15 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
-/// `value` in canonical JSON: the exact bytes that are hashed into its fingerprint.
+/// `value` in canonical JSON: the exact bytes that follow the key parts into its
+/// fingerprint.
 pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
     let mut out = Vec::new();
     canonical::write(&mut out, value)?;
     Ok(out)
 }
 
-/// The parts a key is derived from.
+/// Who calls which tool: the parts of a key besides its input.
 ///
 /// `tenant` and `call_id` are optional; `None` and `Some("")` are different keys.
 #[derive(Debug, Clone, Copy)]
@@ -140,8 +157,36 @@ pub struct KeyParts<'a> {
     pub call_id: Option<&'a str>,
     /// The tool's name.
     pub tool: &'a str,
-    /// Fingerprint of the arguments that form the key (all of them by default).
-    pub input: &'a Fingerprint,
+}
+
+impl KeyParts<'_> {
+    /// Appends the version, then each part presence-tagged and length-prefixed: no two
+    /// sets of parts encode alike, and no encoding is a prefix of another, so the
+    /// input that follows can never be read as a part.
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(VERSION);
+        for part in [
+            self.tenant,
+            Some(self.run_id),
+            self.call_id,
+            Some(self.tool),
+        ] {
+            match part {
+                None => out.push(0),
+                Some(text) => {
+                    out.push(1);
+                    // LEB128: seven bits of the length per byte, low bits first.
+                    let mut len = text.len();
+                    while len >= 0x80 {
+                        out.push((len & 0x7f) as u8 | 0x80);
+                        len >>= 7;
+                    }
+                    out.push(len as u8);
+                    out.extend_from_slice(text.as_bytes());
+                }
+            }
+        }
+    }
 }
 
 /// An idempotency key: `<tool label>.<64 hex digits>`, printable ASCII.
@@ -155,21 +200,22 @@ pub struct Key(Arc<str>);
 const LABEL_MAX: usize = 64;
 
 impl Key {
-    /// Derives the key of a call from its parts (see the module docs).
-    pub fn derive(parts: &KeyParts<'_>) -> Key {
-        let mut h = Sha256::new();
-        h.update(b"idem/key/v1");
-        field(&mut h, parts.tenant.map(str::as_bytes));
-        field(&mut h, Some(parts.run_id.as_bytes()));
-        field(&mut h, parts.call_id.map(str::as_bytes));
-        field(&mut h, Some(parts.tool.as_bytes()));
-        field(&mut h, Some(parts.input.as_bytes()));
-        let digest: [u8; 32] = h.finalize().into();
+    /// Derives the key of a call of `parts` whose key is formed by `key_input` (see
+    /// the module docs): [`Key::of`] its fingerprint.
+    pub fn derive<T: Serialize + ?Sized>(
+        parts: &KeyParts<'_>,
+        key_input: &T,
+    ) -> Result<Key, Error> {
+        Ok(Key::of(parts.tool, &Fingerprint::of(parts, key_input)?))
+    }
 
+    /// The key whose digest is `fingerprint`, labelled with `tool`: the text form of
+    /// the fingerprint of a call's key input.
+    pub fn of(tool: &str, fingerprint: &Fingerprint) -> Key {
         // Built on the stack, then allocated once as the `Arc<str>`.
         let mut text = [0u8; LABEL_MAX + 1 + 64];
         let mut len = 0;
-        for c in parts.tool.chars().take(LABEL_MAX) {
+        for c in tool.chars().take(LABEL_MAX) {
             text[len] = match c {
                 'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c as u8,
                 _ => b'_',
@@ -183,7 +229,7 @@ impl Key {
         text[len] = b'.';
         len += 1;
         const HEX: &[u8; 16] = b"0123456789abcdef";
-        for b in digest {
+        for &b in fingerprint.as_bytes() {
             text[len] = HEX[usize::from(b >> 4)];
             text[len + 1] = HEX[usize::from(b & 0xf)];
             len += 2;
@@ -200,18 +246,6 @@ impl Key {
     /// The key's text.
     pub fn as_str(&self) -> &str {
         &self.0
-    }
-}
-
-/// One length-prefixed, presence-tagged field: no two field sequences encode alike.
-fn field(h: &mut Sha256, bytes: Option<&[u8]>) {
-    match bytes {
-        None => h.update([0u8]),
-        Some(b) => {
-            h.update([1u8]);
-            h.update((b.len() as u64).to_be_bytes());
-            h.update(b);
-        }
     }
 }
 
@@ -421,20 +455,29 @@ mod tests {
         assert_eq!(canon(&Option::<f64>::None), "null");
     }
 
+    fn parts(tool: &str) -> KeyParts<'_> {
+        KeyParts {
+            tenant: None,
+            run_id: "run",
+            call_id: None,
+            tool,
+        }
+    }
+
     #[test]
     fn hash_map_order_does_not_matter() {
         let a: HashMap<String, u32> = (0..50).map(|i| (format!("k{i}"), i)).collect();
         let b: BTreeMap<String, u32> = (0..50).rev().map(|i| (format!("k{i}"), i)).collect();
         assert_eq!(
-            Fingerprint::of("t", &a).unwrap(),
-            Fingerprint::of("t", &b).unwrap()
+            Fingerprint::of(&parts("t"), &a).unwrap(),
+            Fingerprint::of(&parts("t"), &b).unwrap()
         );
     }
 
     #[test]
     fn non_string_map_keys_are_a_typed_error() {
         let m: HashMap<(u8, u8), u8> = [((1, 2), 3)].into_iter().collect();
-        let err = Fingerprint::of("tool_x", &m).unwrap_err();
+        let err = Fingerprint::of(&parts("tool_x"), &m).unwrap_err();
         assert!(
             matches!(err, Error::Input { ref tool, .. } if tool == "tool_x"),
             "{err}"
@@ -443,16 +486,9 @@ mod tests {
 
     #[test]
     fn key_text_is_short_printable_ascii() {
-        let fp = Fingerprint::of("t", &"x").unwrap();
         let long_tool = "ü/".repeat(500);
         for tool in ["send_email", "", long_tool.as_str(), "a.b c"] {
-            let key = Key::derive(&KeyParts {
-                tenant: None,
-                run_id: "run",
-                call_id: None,
-                tool,
-                input: &fp,
-            });
+            let key = Key::derive(&parts(tool), "x").unwrap();
             let s = key.as_str();
             assert!(s.len() <= 129, "{s}");
             assert!(s.bytes().all(|b| b.is_ascii_graphic()), "{s}");
@@ -461,19 +497,103 @@ mod tests {
 
     #[test]
     fn separators_in_parts_are_data() {
-        let fp = Fingerprint::of("t", &"x").unwrap();
-        let k = |tenant, run_id, call_id, tool| {
-            Key::derive(&KeyParts {
+        let k = |tenant, run_id, call_id, tool, input| {
+            let parts = KeyParts {
                 tenant,
                 run_id,
                 call_id,
                 tool,
-                input: &fp,
-            })
+            };
+            Key::derive(&parts, input).unwrap()
         };
-        assert_ne!(k(None, "a.b", None, "c"), k(None, "a", None, "b.c"));
-        assert_ne!(k(Some(""), "a", None, "c"), k(None, "a", None, "c"));
-        assert_ne!(k(Some("a"), "", None, "c"), k(None, "a", None, "c"));
-        assert_ne!(k(None, "a", Some(""), "c"), k(None, "a", None, "c"));
+        assert_ne!(
+            k(None, "a.b", None, "c", "x"),
+            k(None, "a", None, "b.c", "x")
+        );
+        assert_ne!(
+            k(Some(""), "a", None, "c", "x"),
+            k(None, "a", None, "c", "x")
+        );
+        assert_ne!(
+            k(Some("a"), "", None, "c", "x"),
+            k(None, "a", None, "c", "x")
+        );
+        assert_ne!(
+            k(None, "a", Some(""), "c", "x"),
+            k(None, "a", None, "c", "x")
+        );
+        // The input follows the tool: a tool name that ends like an input is data too.
+        assert_ne!(
+            k(None, "a", None, "c\"x", "y"),
+            k(None, "a", None, "c", "x\"y")
+        );
+    }
+
+    /// Reads an encoding back: the parts, and what follows them.
+    fn decode(mut bytes: &[u8]) -> Option<([Option<String>; 4], &[u8])> {
+        bytes = bytes.strip_prefix(VERSION)?;
+        let mut parts: [Option<String>; 4] = Default::default();
+        for part in &mut parts {
+            let (&present, rest) = bytes.split_first()?;
+            bytes = rest;
+            if present == 0 {
+                continue;
+            }
+            let (mut len, mut shift) = (0usize, 0);
+            loop {
+                let (&byte, rest) = bytes.split_first()?;
+                bytes = rest;
+                len |= usize::from(byte & 0x7f) << shift;
+                shift += 7;
+                if byte & 0x80 == 0 {
+                    break;
+                }
+            }
+            let (text, rest) = bytes.split_at_checked(len)?;
+            *part = Some(String::from_utf8(text.to_vec()).ok()?);
+            bytes = rest;
+        }
+        Some((parts, bytes))
+    }
+
+    proptest! {
+        /// The encoding reads back to the same parts and leaves the input untouched, so
+        /// no two calls encode alike. Lengths cross LEB128's one-, two- and three-byte
+        /// boundaries (128 and 16 384).
+        #[test]
+        fn parts_encoding_reads_back(
+            tenant in proptest::option::of("[a.é\\x00]{0,3}"),
+            run_id in prop_oneof!["[a.\\x00]{0,200}", "a{16380,16390}"],
+            call_id in proptest::option::of("[\\x00-\\x7f]{126,130}"),
+            tool in "\\PC{0,4}",
+            input in proptest::collection::vec(any::<u8>(), 0..40),
+        ) {
+            let parts = KeyParts {
+                tenant: tenant.as_deref(),
+                run_id: &run_id,
+                call_id: call_id.as_deref(),
+                tool: &tool,
+            };
+            let mut out = Vec::new();
+            parts.encode(&mut out);
+            out.extend_from_slice(&input);
+            let (read, rest) = decode(&out).expect("the encoding reads back");
+            prop_assert_eq!(read, [tenant, Some(run_id.clone()), call_id, Some(tool.clone())]);
+            prop_assert_eq!(rest, &input[..]);
+        }
+    }
+
+    #[test]
+    fn the_whole_input_fingerprint_is_the_default_keys_digest() {
+        let call = parts("send_email");
+        let fingerprint = Fingerprint::of(&call, &("ada", 1)).unwrap();
+        let key = Key::derive(&call, &("ada", 1)).unwrap();
+        assert_eq!(key, Key::of("send_email", &fingerprint));
+        // Another run with the same input is another call.
+        let other = KeyParts {
+            run_id: "run2",
+            ..call
+        };
+        assert_ne!(Fingerprint::of(&other, &("ada", 1)).unwrap(), fingerprint);
     }
 }

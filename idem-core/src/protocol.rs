@@ -199,8 +199,9 @@ impl Call {
         options: Options,
         input: &I,
     ) -> Result<Call, Error> {
-        let fingerprint = Fingerprint::of(tool, input)?;
-        Self::build(run, tool, options, fingerprint, &fingerprint)
+        let run = Self::run(run, tool)?;
+        let fingerprint = Fingerprint::of(&parts(&run, tool), input)?;
+        Ok(Self::build(run, tool, options, fingerprint, &fingerprint))
     }
 
     /// Prepares a call of `tool` whose key covers only `key_input` (a part of `input`).
@@ -213,9 +214,17 @@ impl Call {
         input: &I,
         key_input: &K,
     ) -> Result<Call, Error> {
-        let fingerprint = Fingerprint::of(tool, input)?;
-        let key_fingerprint = Fingerprint::of(tool, key_input)?;
-        Self::build(run, tool, options, fingerprint, &key_fingerprint)
+        let run = Self::run(run, tool)?;
+        let parts = parts(&run, tool);
+        let fingerprint = Fingerprint::of(&parts, input)?;
+        let key_fingerprint = Fingerprint::of(&parts, key_input)?;
+        Ok(Self::build(
+            run,
+            tool,
+            options,
+            fingerprint,
+            &key_fingerprint,
+        ))
     }
 
     /// Prepares a call from the function's arguments, as the attribute does: `args` are
@@ -228,41 +237,46 @@ impl Call {
         args: &[&dyn KeyInput],
         key: Option<&[&dyn KeyInput]>,
     ) -> Result<Call, Error> {
-        let fingerprint = Fingerprint::of_args(tool, args)?;
+        let run = Self::run(run, tool)?;
+        let parts = parts(&run, tool);
+        let fingerprint = Fingerprint::of_args(&parts, args)?;
         let key_fingerprint = match key {
-            Some(key) => Fingerprint::of_args(tool, key)?,
+            Some(key) => Fingerprint::of_args(&parts, key)?,
             None => fingerprint,
         };
-        Self::build(run, tool, options, fingerprint, &key_fingerprint)
+        Ok(Self::build(
+            run,
+            tool,
+            options,
+            fingerprint,
+            &key_fingerprint,
+        ))
+    }
+
+    /// The explicit run, else the ambient one.
+    fn run(run: Option<&Run>, tool: &str) -> Result<Run, Error> {
+        match run {
+            Some(run) => Ok(run.clone()),
+            None => Run::current().ok_or_else(|| Error::NoRun {
+                tool: tool.to_owned(),
+            }),
+        }
     }
 
     fn build(
-        run: Option<&Run>,
+        run: Run,
         tool: &str,
         options: Options,
         fingerprint: Fingerprint,
         key_fingerprint: &Fingerprint,
-    ) -> Result<Call, Error> {
-        let run = match run {
-            Some(run) => run.clone(),
-            None => Run::current().ok_or_else(|| Error::NoRun {
-                tool: tool.to_owned(),
-            })?,
-        };
-        let key = Key::derive(&KeyParts {
-            tenant: run.tenant(),
-            run_id: run.id(),
-            call_id: run.call_id(),
-            tool,
-            input: key_fingerprint,
-        });
-        Ok(Call {
+    ) -> Call {
+        Call {
+            key: Key::of(tool, key_fingerprint),
             run,
             tool: tool.to_owned(),
-            key,
             fingerprint,
             options,
-        })
+        }
     }
 
     /// The call's idempotency key.
@@ -270,9 +284,19 @@ impl Call {
         &self.key
     }
 
-    /// The fingerprint of the call's whole input.
+    /// The fingerprint of the call's whole input (with its key parts).
     pub fn fingerprint(&self) -> &Fingerprint {
         &self.fingerprint
+    }
+}
+
+/// The key parts of a call of `tool` in `run`.
+fn parts<'a>(run: &'a Run, tool: &'a str) -> KeyParts<'a> {
+    KeyParts {
+        tenant: run.tenant(),
+        run_id: run.id(),
+        call_id: run.call_id(),
+        tool,
     }
 }
 

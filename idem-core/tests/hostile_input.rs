@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use idem_core::store::DEFAULT_MAX_RESULT_BYTES;
 use idem_core::{
-    execute, Call, Error, Fingerprint, MemoryStore, Options, ReleaseErrors, Run, SledStore, State,
-    Store,
+    execute, Call, Error, Fingerprint, KeyParts, MemoryStore, Options, ReleaseErrors, Run,
+    SledStore, State, Store,
 };
 
 /// Runs `tool` with `input` in `run`; the body counts its runs and returns `output`.
@@ -143,7 +143,7 @@ fn maps_with_integer_keys_are_canonical_and_other_keys_are_typed_errors() {
 
 #[test]
 fn non_finite_floats_never_share_a_fingerprint() {
-    let of = |v: Option<f64>| Fingerprint::of("tool", &v).unwrap();
+    let of = |v: Option<f64>| Fingerprint::of(&PARTS, &v).unwrap();
     let nan = of(Some(f64::NAN));
     let inf = of(Some(f64::INFINITY));
     let neg = of(Some(f64::NEG_INFINITY));
@@ -158,8 +158,8 @@ fn non_finite_floats_never_share_a_fingerprint() {
     assert_eq!(nan, of(Some(f64::NAN)));
     assert_eq!(nan, of(Some(-f64::NAN)));
     // Nor with the strings a lenient encoder would write for them.
-    assert_ne!(nan, Fingerprint::of("tool", &Some("NaN")).unwrap());
-    assert_ne!(inf, Fingerprint::of("tool", &Some("Infinity")).unwrap());
+    assert_ne!(nan, Fingerprint::of(&PARTS, &Some("NaN")).unwrap());
+    assert_ne!(inf, Fingerprint::of(&PARTS, &Some("Infinity")).unwrap());
 }
 
 #[tokio::test]
@@ -230,6 +230,14 @@ async fn a_stored_result_that_no_longer_deserializes_is_a_typed_error_and_stays(
     );
 }
 
+/// The parts every fingerprint in these tests is taken with.
+const PARTS: KeyParts<'static> = KeyParts {
+    tenant: None,
+    run_id: "run",
+    call_id: None,
+    tool: "tool",
+};
+
 /// Fingerprinting through `&dyn`, as the attribute does.
 mod erased {
     use idem_core::{Error, Fingerprint};
@@ -240,7 +248,7 @@ mod erased {
 
     impl<T: serde::Serialize> Input for T {
         fn fingerprint(&self) -> Result<Fingerprint, Error> {
-            Fingerprint::of("tool", self)
+            Fingerprint::of(&super::PARTS, self)
         }
     }
 }

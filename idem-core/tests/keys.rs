@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use idem_core::{Fingerprint, Key, KeyParts};
 use proptest::prelude::*;
+use sha2::{Digest, Sha256};
 
 /// Short strings over an alphabet of separators, escapes and unicode, where accidental
 /// collisions of a naive `a:b:c` encoding would be common.
@@ -39,14 +40,13 @@ fn parts() -> impl Strategy<Value = Parts> {
 }
 
 fn key(p: &Parts) -> Key {
-    let input = Fingerprint::of(&p.tool, &p.input).unwrap();
-    Key::derive(&KeyParts {
+    let parts = KeyParts {
         tenant: p.tenant.as_deref(),
         run_id: &p.run_id,
         call_id: p.call_id.as_deref(),
         tool: &p.tool,
-        input: &input,
-    })
+    };
+    Key::derive(&parts, &p.input).unwrap()
 }
 
 proptest! {
@@ -87,14 +87,20 @@ mod erased {
     }
     impl<T: serde::Serialize> Ser for T {
         fn fingerprint(&self) -> idem_core::Fingerprint {
-            idem_core::Fingerprint::of("t", self).unwrap()
+            let parts = idem_core::KeyParts {
+                tenant: None,
+                run_id: "run",
+                call_id: None,
+                tool: "t",
+            };
+            idem_core::Fingerprint::of(&parts, self).unwrap()
         }
     }
 }
 
 /// Keys are stored: a key that changes between versions orphans every stored record,
 /// and retries after an upgrade run again. These pinned values may change only with a
-/// new key version (`idem/key/v2`) and a migration note.
+/// new key version (`idem/key/v3`) and a migration note.
 #[test]
 fn keys_are_stable_across_versions() {
     let input = serde_json::json!({
@@ -103,16 +109,22 @@ fn keys_are_stable_across_versions() {
         "n": [1, 1.5, -0.0, 1e300],
         "nested": {"b": true, "a": null},
     });
-    let fingerprint = Fingerprint::of("send_email", &input).unwrap();
-    let key = Key::derive(&KeyParts {
+    let parts = KeyParts {
         tenant: Some("acme"),
         run_id: "run-42",
         call_id: None,
         tool: "send_email",
-        input: &fingerprint,
-    });
+    };
+    let key = Key::derive(&parts, &input).unwrap();
     assert_eq!(
         key.as_str(),
-        "send_email.c86375d6b13b3f63ac140094535de05d7575f03cbf4cdf4bac2b9d35de250d3c"
+        "send_email.16504c3d38661d98ecf349a409c1a4f71a558ee444231becaaf29078ba18a42f"
     );
+    // The same digest by hand: SHA-256 of the version, each part presence-tagged and
+    // length-prefixed, then the input's canonical JSON, written out.
+    let canonical = r#"{"body":"line one\nline \"two\"\t\\ é \u0001","n":[1,1.5,0,1e+300],"nested":{"a":null,"b":true},"to":"ada@example.com"}"#;
+    let mut encoding = b"idem/key/v2\x01\x04acme\x01\x06run-42\x00\x01\x0asend_email".to_vec();
+    encoding.extend_from_slice(canonical.as_bytes());
+    let by_hand = Fingerprint::from_bytes(Sha256::digest(&encoding).into());
+    assert_eq!(key, Key::of("send_email", &by_hand));
 }

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use idem_core::store::{ClaimRequest, Store};
 use idem_core::{
-    current_key, execute, execute_blocking, CacheErrors, Call, Error, Fingerprint, MemoryStore,
-    Options, ReleaseErrors, Run, SledStore, State, Token,
+    current_key, execute, execute_blocking, CacheErrors, Call, Error, Fingerprint, KeyParts,
+    MemoryStore, Options, ReleaseErrors, Run, SledStore, State, Token,
 };
 use serde::{Deserialize, Serialize};
 
@@ -452,7 +452,13 @@ async fn concurrent_duplicates_execute_once_on_memory_and_sled() {
             serde_json::from_slice::<String>(&result).unwrap(),
             values[0]
         );
-        assert_eq!(record.fingerprint, Fingerprint::of("t", &input).unwrap());
+        let parts = KeyParts {
+            tenant: None,
+            run_id: run.id(),
+            call_id: None,
+            tool: "send_email",
+        };
+        assert_eq!(record.fingerprint, Fingerprint::of(&parts, &input).unwrap());
     }
 }
 

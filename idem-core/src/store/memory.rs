@@ -219,14 +219,13 @@ mod tests {
     use crate::KeyParts;
 
     fn derived(i: u32) -> Key {
-        let input = Fingerprint::of("t", &i).unwrap();
-        Key::derive(&KeyParts {
+        let parts = KeyParts {
             tenant: None,
             run_id: "run",
             call_id: None,
             tool: "send_email",
-            input: &input,
-        })
+        };
+        Key::derive(&parts, &i).unwrap()
     }
 
     fn shard_index(store: &MemoryStore, key: &Key) -> usize {

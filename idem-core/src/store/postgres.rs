@@ -10,7 +10,7 @@
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS idem_records (
 //!     key         text        PRIMARY KEY,  -- `<tool>.<sha-256 hex>`
-//!     fingerprint bytea       NOT NULL,     -- SHA-256 of the call's whole input
+//!     fingerprint bytea       NOT NULL,     -- SHA-256 of the call: key parts and whole input
 //!     state       smallint    NOT NULL,     -- 0 in progress, 1 completed, 2 failed
 //!     token       bytea       NOT NULL,     -- fencing token of the call that claimed it
 //!     lease_until timestamptz,              -- in progress: when the claim counts as abandoned
