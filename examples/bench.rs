@@ -417,13 +417,28 @@ fn main() {
 mod network {
     use super::*;
 
+    /// Calls per batch for a side-by-side pair whose sides take about `unit` each: as
+    /// many as fit two seconds for the pair's `BATCHES` rounds, from 50 to `most`. On a
+    /// day of slow round trips the rows keep their batches and the run its minute.
+    async fn fitted<F: Future>(most: usize, mut unit: impl FnMut() -> F) -> usize {
+        let t = Instant::now();
+        for _ in 0..10 {
+            unit().await;
+        }
+        let unit = t.elapsed() / 10;
+        let round = Duration::from_secs(2) / BATCHES as u32;
+        let n = round.as_nanos() / (2 * unit.as_nanos()).max(1);
+        usize::try_from(n).unwrap_or(most).clamp(50, most)
+    }
+
     #[cfg(feature = "redis")]
     pub async fn redis(url: &str, input: &scenario::SendEmail, t: &mut Table) {
         let prefix = format!("idem-bench-{}:", std::process::id());
         let run = scenario::redis_run(url, &prefix, false).await;
         let floor = scenario::RedisFloor::connect(url).await;
         send_email(&run, input).await.unwrap();
-        let (hit, rt) = compare(500, |_| send_email(&run, input), |_| floor.round_trip()).await;
+        let n = fitted(500, || floor.round_trip()).await;
+        let (hit, rt) = compare(n, |_| send_email(&run, input), |_| floor.round_trip()).await;
         t.row(
             "redis: hit",
             hit,
@@ -434,14 +449,14 @@ mod network {
         let probe = email(1, BODY);
         send_email(&cached, &probe).await.unwrap();
         let (local, local_rt) =
-            compare(500, |_| send_email(&cached, &probe), |_| floor.round_trip()).await;
+            compare(n, |_| send_email(&cached, &probe), |_| floor.round_trip()).await;
         t.row(
             "redis + LocalCache: hit",
             local,
             Some(("one round trip (GET of 168 B)", local_rt)),
         );
         let (miss, two) = compare(
-            200,
+            (n / 2).clamp(50, 200),
             |i| {
                 let run = run.clone();
                 async move { send_email(&run, &email(2_000_000 + i, BODY)).await.unwrap() }
@@ -472,14 +487,21 @@ mod network {
         send_email(&run, input).await.unwrap();
         // The floor reads a row that exists, as a hit does.
         floor.two_commits(0).await;
-        let (hit, query) = compare(500, |_| send_email(&run, input), |_| floor.query(0)).await;
+        let n = fitted(500, || floor.query(0)).await;
+        let (hit, query) = compare(n, |_| send_email(&run, input), |_| floor.query(0)).await;
         t.row(
             "postgres: hit",
             hit,
             Some(("one SELECT by primary key", query)),
         );
+        let mut k = 1 << 40;
+        let n = fitted(100, || {
+            k += 1;
+            floor.two_commits(k)
+        })
+        .await;
         let (miss, commits) = compare(
-            100,
+            n,
             |i| {
                 let run = run.clone();
                 async move { send_email(&run, &email(3_000_000 + i, BODY)).await.unwrap() }
