@@ -199,9 +199,10 @@ impl Call {
         options: Options,
         input: &I,
     ) -> Result<Call, Error> {
-        let run = Self::run(run, tool)?;
-        let fingerprint = Fingerprint::of(&parts(&run, tool), input)?;
-        Ok(Self::build(run, tool, options, fingerprint, &fingerprint))
+        Self::build(run, tool, options, |parts| {
+            let fingerprint = Fingerprint::of(parts, input)?;
+            Ok((fingerprint, fingerprint))
+        })
     }
 
     /// Prepares a call of `tool` whose key covers only `key_input` (a part of `input`).
@@ -214,17 +215,12 @@ impl Call {
         input: &I,
         key_input: &K,
     ) -> Result<Call, Error> {
-        let run = Self::run(run, tool)?;
-        let parts = parts(&run, tool);
-        let fingerprint = Fingerprint::of(&parts, input)?;
-        let key_fingerprint = Fingerprint::of(&parts, key_input)?;
-        Ok(Self::build(
-            run,
-            tool,
-            options,
-            fingerprint,
-            &key_fingerprint,
-        ))
+        Self::build(run, tool, options, |parts| {
+            Ok((
+                Fingerprint::of(parts, input)?,
+                Fingerprint::of(parts, key_input)?,
+            ))
+        })
     }
 
     /// Prepares a call from the function's arguments, as the attribute does: `args` are
@@ -237,46 +233,43 @@ impl Call {
         args: &[&dyn KeyInput],
         key: Option<&[&dyn KeyInput]>,
     ) -> Result<Call, Error> {
-        let run = Self::run(run, tool)?;
-        let parts = parts(&run, tool);
-        let fingerprint = Fingerprint::of_args(&parts, args)?;
-        let key_fingerprint = match key {
-            Some(key) => Fingerprint::of_args(&parts, key)?,
-            None => fingerprint,
-        };
-        Ok(Self::build(
-            run,
-            tool,
-            options,
-            fingerprint,
-            &key_fingerprint,
-        ))
+        Self::build(run, tool, options, |parts| {
+            let fingerprint = Fingerprint::of_args(parts, args)?;
+            let key_fingerprint = match key {
+                Some(key) => Fingerprint::of_args(parts, key)?,
+                None => fingerprint,
+            };
+            Ok((fingerprint, key_fingerprint))
+        })
     }
 
-    /// The explicit run, else the ambient one.
-    fn run(run: Option<&Run>, tool: &str) -> Result<Run, Error> {
-        match run {
-            Some(run) => Ok(run.clone()),
-            None => Run::current().ok_or_else(|| Error::NoRun {
-                tool: tool.to_owned(),
-            }),
-        }
-    }
-
+    /// Resolves the run (the explicit one, else the ambient one), then takes the
+    /// fingerprints of the whole input and of the key's input with the call's parts.
     fn build(
-        run: Run,
+        run: Option<&Run>,
         tool: &str,
         options: Options,
-        fingerprint: Fingerprint,
-        key_fingerprint: &Fingerprint,
-    ) -> Call {
-        Call {
-            key: Key::of(tool, key_fingerprint),
+        fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(Fingerprint, Fingerprint), Error>,
+    ) -> Result<Call, Error> {
+        let run = match run {
+            Some(run) => run.clone(),
+            None => Run::current().ok_or_else(|| Error::NoRun {
+                tool: tool.to_owned(),
+            })?,
+        };
+        let (fingerprint, key_fingerprint) = fingerprints(&KeyParts {
+            tenant: run.tenant(),
+            run_id: run.id(),
+            call_id: run.call_id(),
+            tool,
+        })?;
+        Ok(Call {
+            key: Key::of(tool, &key_fingerprint),
             run,
             tool: tool.to_owned(),
             fingerprint,
             options,
-        }
+        })
     }
 
     /// The call's idempotency key.
@@ -287,16 +280,6 @@ impl Call {
     /// The fingerprint of the call's whole input (with its key parts).
     pub fn fingerprint(&self) -> &Fingerprint {
         &self.fingerprint
-    }
-}
-
-/// The key parts of a call of `tool` in `run`.
-fn parts<'a>(run: &'a Run, tool: &'a str) -> KeyParts<'a> {
-    KeyParts {
-        tenant: run.tenant(),
-        run_id: run.id(),
-        call_id: run.call_id(),
-        tool,
     }
 }
 
