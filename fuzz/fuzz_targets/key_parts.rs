@@ -23,7 +23,6 @@ fn key(p: &Parts) -> Key {
         call_id: p.call_id.as_deref(),
         tool: &p.tool,
     };
-    // A byte list serializes to JSON without fail.
     Key::derive(&parts, &p.input).expect("a byte list always serializes")
 }
 

@@ -573,18 +573,4 @@ mod tests {
             prop_assert_eq!(rest, &input[..]);
         }
     }
-
-    #[test]
-    fn the_whole_input_fingerprint_is_the_default_keys_digest() {
-        let call = parts("send_email");
-        let fingerprint = Fingerprint::of(&call, &("ada", 1)).unwrap();
-        let key = Key::derive(&call, &("ada", 1)).unwrap();
-        assert_eq!(key, Key::of("send_email", &fingerprint));
-        // Another run with the same input is another call.
-        let other = KeyParts {
-            run_id: "run2",
-            ..call
-        };
-        assert_ne!(Fingerprint::of(&other, &("ada", 1)).unwrap(), fingerprint);
-    }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use idem_core::{Fingerprint, Key, KeyParts};
+use idem_core::{Call, Fingerprint, Key, KeyParts, MemoryStore, Options, Run};
 use proptest::prelude::*;
 use sha2::{Digest, Sha256};
 
@@ -127,4 +127,32 @@ fn keys_are_stable_across_versions() {
     encoding.extend_from_slice(canonical.as_bytes());
     let by_hand = Fingerprint::from_bytes(Sha256::digest(&encoding).into());
     assert_eq!(key, Key::of("send_email", &by_hand));
+}
+
+/// A call whose key covers the whole input hashes once: its key's digest is the
+/// fingerprint its record stores. A key from part of the input is another digest,
+/// while the fingerprint still covers all of it; another run is another call.
+#[test]
+fn the_default_keys_digest_is_the_whole_input_fingerprint() {
+    let run = Run::new("run").with_store(MemoryStore::new());
+    let input = ("ada@example.com", 1);
+    let text = |fingerprint: &Fingerprint| {
+        let hex: String = fingerprint
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!("send_email.{hex}")
+    };
+    let call = Call::new(Some(&run), "send_email", Options::new(), &input).unwrap();
+    assert_eq!(call.key().as_str(), text(call.fingerprint()));
+
+    let keyed = Call::with_key(Some(&run), "send_email", Options::new(), &input, &input.0).unwrap();
+    assert_eq!(keyed.fingerprint(), call.fingerprint());
+    assert_ne!(keyed.key(), call.key());
+    assert_ne!(keyed.key().as_str(), text(keyed.fingerprint()));
+
+    let other = Run::new("run2").with_store(MemoryStore::new());
+    let elsewhere = Call::new(Some(&other), "send_email", Options::new(), &input).unwrap();
+    assert_ne!(elsewhere.fingerprint(), call.fingerprint());
 }
