@@ -8,11 +8,12 @@
 //!     cargo run --release --features postgres,redis --example bench
 //! ```
 //!
-//! Every figure is the median of 15 batches measured in this one run, and each
-//! compared pair is measured side by side (their batches alternate), so the ratios
-//! compare like with like on a noisy machine. The input is a 513-byte email and the
-//! result a 114-byte message id, as JSON. Takes under a minute (most of it filling two
-//! sled trees with 10⁶ records).
+//! Every figure is measured in this one run, and each compared pair side by side, so
+//! the ratios compare like with like on a noisy machine. A local figure is the median
+//! of 15 batches (the batches of a pair alternate); a network figure is the median of
+//! single operations (a pair's operations alternate one by one). The input is a
+//! 513-byte email and the result a 114-byte message id, as JSON. Takes under a minute
+//! (most of it filling two sled trees with 10⁶ records).
 
 #[path = "support/scenario.rs"]
 mod scenario;
@@ -45,8 +46,9 @@ fn median(n: usize, mut op: impl FnMut(u64)) -> Duration {
 
 /// Medians of `a` and of `b` (what `a` is compared with), measured side by side: each
 /// of `BATCHES` rounds runs a batch of `a`, then a batch of `b`. A machine that speeds
-/// up or slows down during the run (a network round trip here varies from 25 to 100
-/// µs over minutes) moves both alike, so their ratio holds.
+/// up or slows down during the run moves both alike, so their ratio holds. For the
+/// local rows, whose operations take microseconds; the network rows use
+/// `network::paired`.
 async fn compare<F: Future, G: Future>(
     n: usize,
     mut a: impl FnMut(u64) -> F,
@@ -126,7 +128,8 @@ fn main() {
     let started = Instant::now();
     let input = email(0, BODY);
     println!(
-        "input {} bytes, result {} bytes (JSON); medians of {BATCHES} batches\n",
+        "input {} bytes, result {} bytes (JSON); medians of {BATCHES} batches (local), \
+         of single operations (network)\n",
         serde_json::to_vec(&input).unwrap().len(),
         serde_json::to_vec(&message_id()).unwrap().len()
     );
@@ -417,18 +420,50 @@ fn main() {
 mod network {
     use super::*;
 
-    /// Calls per batch for a side-by-side pair whose sides take about `unit` each: as
-    /// many as fit two seconds for the pair's `BATCHES` rounds, from 50 to `most`. On a
-    /// day of slow round trips the rows keep their batches and the run its minute.
+    /// How many pairs [`paired`] measures for operations that take about `unit` each:
+    /// as many as fit two seconds, from 200 to `most`. On a day of slow round trips the
+    /// rows keep their sample and the run its minute.
     async fn fitted<F: Future>(most: usize, mut unit: impl FnMut() -> F) -> usize {
         let t = Instant::now();
         for _ in 0..10 {
             unit().await;
         }
         let unit = t.elapsed() / 10;
-        let round = Duration::from_secs(2) / BATCHES as u32;
-        let n = round.as_nanos() / (2 * unit.as_nanos()).max(1);
-        usize::try_from(n).unwrap_or(most).clamp(50, most)
+        let n = Duration::from_secs(2).as_nanos() / (2 * unit.as_nanos()).max(1);
+        usize::try_from(n).unwrap_or(most).clamp(200, most)
+    }
+
+    /// Medians of `n` single operations of `a` and `n` of `b` (what `a` is compared
+    /// with), numbered from 1 and interleaved one by one: `a` then `b`, then `b` then
+    /// `a`, and so on.
+    ///
+    /// Not batches, as the local rows: a loopback round trip on a busy machine stalls
+    /// now and then for a millisecond or more, and a batch's mean then counts the
+    /// stalls it met more than the operation (`redis-benchmark` here once put a `GET`
+    /// at 31 µs at the median and 150 µs on average). The median of single operations is the
+    /// operation; stalls, which fall on either side alike, stay out of it.
+    async fn paired<F: Future, G: Future>(
+        n: usize,
+        mut a: impl FnMut(u64) -> F,
+        mut b: impl FnMut(u64) -> G,
+    ) -> (Duration, Duration) {
+        let (mut ta, mut tb) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for i in 1..=n as u64 {
+            if i % 2 == 1 {
+                ta.push(timed(a(i)).await);
+                tb.push(timed(b(i)).await);
+            } else {
+                tb.push(timed(b(i)).await);
+                ta.push(timed(a(i)).await);
+            }
+        }
+        (middle(ta), middle(tb))
+    }
+
+    async fn timed<F: Future>(op: F) -> Duration {
+        let t = Instant::now();
+        op.await;
+        t.elapsed()
     }
 
     #[cfg(feature = "redis")]
@@ -437,8 +472,8 @@ mod network {
         let run = scenario::redis_run(url, &prefix, false).await;
         let floor = scenario::RedisFloor::connect(url).await;
         send_email(&run, input).await.unwrap();
-        let n = fitted(500, || floor.round_trip()).await;
-        let (hit, rt) = compare(n, |_| send_email(&run, input), |_| floor.round_trip()).await;
+        let n = fitted(5_000, || floor.round_trip()).await;
+        let (hit, rt) = paired(n, |_| send_email(&run, input), |_| floor.round_trip()).await;
         t.row(
             "redis: hit",
             hit,
@@ -449,14 +484,14 @@ mod network {
         let probe = email(1, BODY);
         send_email(&cached, &probe).await.unwrap();
         let (local, local_rt) =
-            compare(n, |_| send_email(&cached, &probe), |_| floor.round_trip()).await;
+            paired(n, |_| send_email(&cached, &probe), |_| floor.round_trip()).await;
         t.row(
             "redis + LocalCache: hit",
             local,
             Some(("one round trip (GET of 168 B)", local_rt)),
         );
-        let (miss, two) = compare(
-            (n / 2).clamp(50, 200),
+        let (miss, two) = paired(
+            (n / 2).max(200),
             |i| {
                 let run = run.clone();
                 async move { send_email(&run, &email(2_000_000 + i, BODY)).await.unwrap() }
@@ -472,10 +507,19 @@ mod network {
             miss,
             Some(("two round trips (GET, GET)", two)),
         );
+        let (miss, fenced) = paired(
+            (n / 2).max(200),
+            |i| {
+                let run = run.clone();
+                async move { send_email(&run, &email(4_000_000 + i, BODY)).await.unwrap() }
+            },
+            |i| floor.fenced_miss(&prefix, i),
+        )
+        .await;
         t.row(
             "redis: miss",
             miss,
-            Some(("one round trip (GET of 168 B)", rt)),
+            Some(("SET NX GET + fenced SET (script)", fenced)),
         );
         floor.clean(&prefix).await;
     }
@@ -487,20 +531,20 @@ mod network {
         send_email(&run, input).await.unwrap();
         // The floor reads a row that exists, as a hit does.
         floor.two_commits(0).await;
-        let n = fitted(500, || floor.query(0)).await;
-        let (hit, query) = compare(n, |_| send_email(&run, input), |_| floor.query(0)).await;
+        let n = fitted(5_000, || floor.query(0)).await;
+        let (hit, query) = paired(n, |_| send_email(&run, input), |_| floor.query(0)).await;
         t.row(
             "postgres: hit",
             hit,
             Some(("one SELECT by primary key", query)),
         );
         let mut k = 1 << 40;
-        let n = fitted(100, || {
+        let n = fitted(1_000, || {
             k += 1;
             floor.two_commits(k)
         })
         .await;
-        let (miss, commits) = compare(
+        let (miss, commits) = paired(
             n,
             |i| {
                 let run = run.clone();

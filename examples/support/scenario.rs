@@ -207,6 +207,43 @@ impl RedisFloor {
         std::hint::black_box(value.unwrap());
     }
 
+    /// A fenced miss done the plain way on Redis 7, on a new key `<prefix>floor-<k>`: a
+    /// claim (`SET key claim NX GET PX`, a 78-byte claim), then a 168-byte record
+    /// written only while the claim is still there, which on Redis 7 takes a script
+    /// (`GET`, compare, `SET`): two round trips, the second of them a script.
+    pub async fn fenced_miss(&self, prefix: &str, k: u64) {
+        static FENCED: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+            redis::Script::new(
+                "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1",
+            )
+        });
+        let key = format!("{prefix}floor-{k}");
+        let claim = [1u8; 78];
+        let mut c = self.connection.clone();
+        let found: Option<Vec<u8>> = redis::cmd("SET")
+            .arg(&key)
+            .arg(&claim[..])
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert!(found.is_none(), "the floor's key {key} was not new");
+        let applied: i64 = FENCED
+            .key(&key)
+            .arg(&claim[..])
+            .arg(&[7u8; 168][..])
+            .arg(600_000)
+            .invoke_async(&mut c)
+            .await
+            .unwrap();
+        assert_eq!(applied, 1);
+    }
+
     /// Deletes every key under `prefix` (what a benchmark's store wrote).
     pub async fn clean(&self, prefix: &str) {
         let mut c = self.connection.clone();
