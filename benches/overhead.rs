@@ -14,7 +14,9 @@
 //! - `sled_purge/<records>`: purging that many expired records;
 //! - `redis`, `postgres` (with `--features postgres,redis` and `IDEM_REDIS_URL` /
 //!   `IDEM_POSTGRES_URL`): hit and miss next to one round trip, one query, two commits;
-//!   for Redis also a hit answered by a `LocalCache` in front of the store.
+//!   for Redis also a miss done by hand (`SET NX GET`, then a script that writes only
+//!   while the claim is there), and a hit answered by a `LocalCache` in front of the
+//!   store.
 
 #[path = "../examples/support/scenario.rs"]
 mod scenario;
@@ -230,6 +232,14 @@ fn network(c: &mut Criterion) {
         rt.block_on(send_email(&run, &input)).unwrap();
         group.bench_function("floor/one round trip", |b| {
             b.iter_custom(|iters| per_iter(&rt, iters, |_| floor.round_trip()))
+        });
+        let mut k = 0u64;
+        group.bench_function("floor/fenced miss", |b| {
+            b.iter_custom(|iters| {
+                let base = k;
+                k += iters;
+                per_iter(&rt, iters, |i| floor.fenced_miss(&prefix, base + i))
+            })
         });
         bench_hit_and_miss(&mut group, &rt, &run, &input, 1_000_000);
         // A LocalCache keeps what its own process completed: complete through it first.
