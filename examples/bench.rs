@@ -46,9 +46,9 @@ fn median(n: usize, mut op: impl FnMut(u64)) -> Duration {
 
 /// Medians of `a` and of `b` (what `a` is compared with), measured side by side: each
 /// of `BATCHES` rounds runs a batch of `a`, then a batch of `b`. A machine that speeds
-/// up or slows down during the run moves both alike, so their ratio holds. For the
-/// local rows, whose operations take microseconds; the network rows use
-/// `network::paired`.
+/// up or slows down during the run moves both alike, so their ratio holds. The local
+/// rows use it (their operations take microseconds, too short to time one by one);
+/// the network rows use `network::paired`.
 async fn compare<F: Future, G: Future>(
     n: usize,
     mut a: impl FnMut(u64) -> F,
@@ -440,8 +440,8 @@ mod network {
     /// Not batches, as the local rows: a loopback round trip on a busy machine stalls
     /// now and then for a millisecond or more, and a batch's mean then counts the
     /// stalls it met more than the operation (`redis-benchmark` here once put a `GET`
-    /// at 31 µs at the median and 150 µs on average). The median of single operations is the
-    /// operation; stalls, which fall on either side alike, stay out of it.
+    /// at 31 µs at the median and 150 µs on average). The median of single operations
+    /// is the operation; stalls, which fall on either side alike, stay out of it.
     async fn paired<F: Future, G: Future>(
         n: usize,
         mut a: impl FnMut(u64) -> F,
