@@ -78,8 +78,9 @@
 //!   deleted. Every statement stays well within the store's timeout whatever the
 //!   backlog (one `DELETE` of 10⁶ rows took 0.6–0.9 s here, so a backlog of some
 //!   millions would outlast the 5-second default and the purge would report a
-//!   timeout), and no transaction holds locks and piles up WAL for long. A row that a claim re-claims meanwhile gets a new version
-//!   that is not expired: the outer test keeps it.
+//!   timeout), and no transaction holds locks and piles up WAL for long. A row that a
+//!   claim re-claims meanwhile gets a new version that is not expired: the outer test
+//!   keeps it.
 //!
 //! # Failures
 //!
