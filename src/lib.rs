@@ -94,8 +94,8 @@ pub use idem_macros::idempotent;
 #[doc(hidden)]
 pub mod __private {
     pub use idem_core::protocol::{
-        execute, execute_blocking, from_idem_error, CacheErrors, Call, KeyInput, ReleaseErrors,
-        RunSource, ToolOutput,
+        execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Call, KeyInput,
+        ReleaseErrors, RunSource, ToolOutput,
     };
     pub use idem_core::Options;
 }

@@ -165,6 +165,15 @@ impl Store for Killing {
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
         self.0.release(key, token).await
     }
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        self.0.renew(key, token, lease, ttl).await
+    }
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         self.0.get(key).await
     }

@@ -1,6 +1,8 @@
 //! The one error type of idem.
 
 use std::error::Error as StdError;
+use std::fmt;
+use std::time::Duration;
 
 /// Everything that can go wrong around an idempotent call.
 ///
@@ -38,41 +40,80 @@ pub enum Error {
         key: String,
     },
 
-    /// Another call with the same key is running and its lease has not expired; this call
-    /// did not wait for it (fail-fast policy) or waited as long as it was allowed to. Retry
-    /// later: the retry returns the first call's result once it completes.
+    /// Another call with the same key is running: its claim is alive (renewed by its
+    /// heartbeat while its body runs). This call did not wait for it (`fail_fast`) or
+    /// waited as long as it was allowed to (`wait`). Nothing was run. Retry later: the
+    /// retry returns the first call's result once it completes.
     #[error(
-        "call with key `{key}` is already in progress elsewhere; retry later to receive its result"
+        "key `{key}` is held by another call that is still running (its claim holds for \
+         {lease_left} more, renewed while that call runs, up to its max_run); this call waited \
+         {waited}; retry later to receive its result, or raise `wait` to wait for it",
+        lease_left = Human(*lease_left),
+        waited = Human(*waited)
     )]
     InProgress {
         /// The idempotency key.
         key: String,
+        /// How long the other call's claim held when this call gave up, unless renewed.
+        lease_left: Duration,
+        /// How long this call waited for it.
+        waited: Duration,
     },
 
-    /// An earlier call with this key claimed it and then stopped (crash, kill, lost
-    /// connection) before recording an outcome, and the tool is at-most-once: it is unknown
-    /// whether the side effect happened, so it is not run again. Check the downstream
-    /// system, then remove the record (`Store::delete`) to allow a new attempt.
+    /// An earlier call with this key claimed it and stopped without recording an outcome,
+    /// and the tool is at-most-once: it is unknown whether the side effect happened, so it
+    /// is not run again. The earlier call's process died (its lease ran out), or, in a live
+    /// process, the call was cancelled, panicked or was stopped at its `max_run`. Check the
+    /// downstream system, then remove the record (`Store::delete`) to allow a new attempt;
+    /// otherwise this answer stands until the record expires.
     #[error(
-        "outcome unknown for key `{key}`: an earlier call claimed it and never finished; \
-         the tool is at-most-once, so it is not run again (check downstream, then delete the key)"
+        "outcome unknown for key `{key}`: an earlier call claimed it and stopped without \
+         recording an outcome (its process died, or it was cancelled, panicked or stopped at \
+         its max_run); the tool is at-most-once, so it is not run again: check the downstream \
+         system, then delete the record to allow a new attempt (otherwise this answer stands \
+         for {expires_in}, until the record expires)",
+        expires_in = Human(*expires_in)
     )]
     OutcomeUnknown {
         /// The idempotency key.
         key: String,
+        /// How long the record of the unfinished call lives on.
+        expires_in: Duration,
     },
 
-    /// This call ran the operation, but its lease expired while it ran and another caller
-    /// took the key over, so this call's result was not stored (fencing). The result
-    /// returned by the new owner is the one the store keeps: retry to receive it. Raise the
-    /// tool's lease above its longest run time to avoid this.
+    /// This call ran the operation, but lost its claim while it ran: its process was
+    /// paused past the lease (a stopped process, a VM migration), its renewals could not
+    /// reach the store for a whole lease, or the record was deleted; and another call took
+    /// the key over. This call's result was not stored (fencing); an async body still
+    /// running when the loss was noticed was stopped. The new owner's result is the one the
+    /// store keeps: retry to receive it.
     #[error(
-        "lease lost for key `{key}`: the operation outlived its lease and another caller took \
-         over; this result was not stored (retry to receive the stored one, or raise the lease)"
+        "lease lost for key `{key}`: this call's claim was taken over or removed while its body \
+         ran (the process was paused past its lease, the store was unreachable for its \
+         renewals, or the record was deleted); its result was not stored: retry to receive the \
+         stored one"
     )]
     LostLease {
         /// The idempotency key.
         key: String,
+    },
+
+    /// The body ran longer than the tool's `max_run` and was stopped (dropped at its
+    /// current `.await`). Its claim was settled by the tool's delivery policy: at-least-once
+    /// released it, so a retry runs the body again; at-most-once recorded the outcome as
+    /// unknown, so a retry gets [`Error::OutcomeUnknown`]. The body may have had side
+    /// effects before it was stopped. Raise `max_run` if the body needs longer.
+    #[error(
+        "the body for key `{key}` ran past its max_run of {max_run} and was stopped; its claim \
+         was settled by the tool's delivery policy (at-least-once: a retry runs it again; \
+         at-most-once: a retry gets OutcomeUnknown); raise `max_run` if it needs longer",
+        max_run = Human(*max_run)
+    )]
+    MaxRunExceeded {
+        /// The idempotency key.
+        key: String,
+        /// The limit it ran into.
+        max_run: Duration,
     },
 
     /// The input (or the part of it that forms the key) cannot be serialized, for example
@@ -176,9 +217,10 @@ impl Error {
     pub fn key(&self) -> Option<&str> {
         match self {
             Error::PayloadMismatch { key }
-            | Error::InProgress { key }
-            | Error::OutcomeUnknown { key }
+            | Error::InProgress { key, .. }
+            | Error::OutcomeUnknown { key, .. }
             | Error::LostLease { key }
+            | Error::MaxRunExceeded { key, .. }
             | Error::Output { key, .. }
             | Error::ResultTooLarge { key, .. }
             | Error::StoredResult { key, .. }
@@ -186,5 +228,44 @@ impl Error {
             | Error::UnsupportedFormat { key, .. } => Some(key),
             Error::NoRun { .. } | Error::Input { .. } | Error::Store { .. } => None,
         }
+    }
+}
+
+/// A duration as people read it: `150 ms`, `4.2 s`, `12 min 5 s`, `3 h 20 min`, `2 d 4 h`.
+pub(crate) struct Human(pub(crate) Duration);
+
+impl fmt::Display for Human {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = self.0.as_millis();
+        let s = ms / 1000;
+        match ms {
+            0..1_000 => write!(f, "{ms} ms"),
+            1_000..60_000 => write!(f, "{}.{} s", s, (ms % 1000) / 100),
+            60_000..3_600_000 => write!(f, "{} min {} s", s / 60, s % 60),
+            3_600_000..86_400_000 => write!(f, "{} h {} min", s / 3600, s % 3600 / 60),
+            _ => write!(f, "{} d {} h", s / 86_400, s % 86_400 / 3600),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        let cases = [
+            (0, "0 ms"),
+            (150, "150 ms"),
+            (4_250, "4.2 s"),
+            (59_999, "59.9 s"),
+            (725_000, "12 min 5 s"),
+            (12_000_000, "3 h 20 min"),
+            (187_200_000, "2 d 4 h"),
+        ];
+        for (ms, text) in cases {
+            assert_eq!(Human(Duration::from_millis(ms)).to_string(), text);
+        }
+        assert!(!Human(Duration::MAX).to_string().is_empty());
     }
 }

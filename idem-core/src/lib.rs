@@ -19,9 +19,11 @@
 //!
 //! # Logging
 //!
-//! idem logs through [`tracing`]: `debug` for misses, hits and waits, `info` for a
-//! takeover after a crash, `warn` for payload mismatches, lost leases and unknown
-//! outcomes.
+//! idem logs through [`tracing`]: `debug` for misses, hits and short waits; `info` for a
+//! takeover after a crash, a wait that lasts (over a second), and a claim settled because
+//! its call was dropped or panicked; `warn` for payload mismatches, lost leases, failed
+//! renewals, bodies stopped at `max_run` and unknown outcomes; `error` for a body that
+//! panicked.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -29,6 +31,7 @@
 mod blocking;
 mod canonical;
 mod error;
+mod heartbeat;
 pub mod key;
 pub mod options;
 pub mod protocol;
@@ -44,8 +47,8 @@ pub use error::Error;
 pub use key::{Fingerprint, Key, KeyParts};
 pub use options::{Delivery, OnBusy, Options};
 pub use protocol::{
-    execute, execute_blocking, CacheErrors, Call, ErrorPolicy, KeyInput, ReleaseErrors, Replayable,
-    RunSource, ToolOutput,
+    execute, execute_blocking, execute_finishing, CacheErrors, Call, ErrorPolicy, KeyInput,
+    ReleaseErrors, Replayable, RunSource, ToolOutput,
 };
 pub use record::{Record, State, Timestamp, Token};
 pub use run::{current_key, default_store, default_store_dir, set_default_store, Run};

@@ -1,30 +1,34 @@
-//! Per-tool options: how long results live, how long a claim holds, what a concurrent
-//! duplicate does, and what happens after a crash.
+//! Per-tool options: how long results live, how long a claim holds without a
+//! heartbeat, how long a body may run, what a concurrent duplicate does, and what
+//! happens after a crash.
 
 use std::time::Duration;
 
-/// What happens to a call that finds an earlier claim whose lease ran out without an
-/// outcome (the earlier caller crashed, was killed, or lost its connection).
+/// What happens to a call that finds an earlier claim given up without an outcome: its
+/// process died (the lease ran out with no heartbeat), or, in this process, it was
+/// cancelled, panicked or stopped at its `max_run`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Delivery {
-    /// Take the key over and run the operation again (the default). The operation may
-    /// then have run twice if the crash came after its side effect; forward
-    /// [`current_key`](crate::current_key) to a downstream that deduplicates to close
-    /// that window.
+    /// Run the operation again (the default). A claim given up in a live process is
+    /// released at once, so the retry runs at once; a crashed process's claim is taken
+    /// over when its lease runs out. The operation may then have run twice if it was
+    /// stopped after its side effect; forward [`current_key`](crate::current_key) to a
+    /// downstream that deduplicates to close that window.
     #[default]
     AtLeastOnce,
     /// Return [`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown) and never run the
-    /// operation again for this key (payments).
+    /// operation again for this key (payments). A claim given up in a live process is
+    /// recorded as outcome-unknown at once.
     AtMostOnce,
 }
 
 /// What a call does when another call holds its key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnBusy {
-    /// Wait for the other call's outcome, at most this long (`None`: at most one lease),
-    /// then return [`Error::InProgress`](crate::Error::InProgress). A waiter in the same
-    /// process is woken the moment the owner finishes; one in another process polls with
-    /// backoff.
+    /// Wait for the other call's outcome, at most this long (`None`: as long as the other
+    /// call can hold the key, its `max_run` plus one lease), then return
+    /// [`Error::InProgress`](crate::Error::InProgress). A waiter in the same process is
+    /// woken the moment the owner finishes; one in another process polls with backoff.
     Wait(Option<Duration>),
     /// Return [`Error::InProgress`](crate::Error::InProgress) at once.
     FailFast,
@@ -32,61 +36,87 @@ pub enum OnBusy {
 
 /// The options of one idempotent tool. Built in `const` context by the attribute.
 ///
-/// Defaults: `ttl` 24 hours, `lease` 60 seconds, wait at most one lease for a
-/// concurrent duplicate, at-least-once after a crash.
+/// Defaults: `ttl` 24 hours, `lease` 15 seconds (renewed every 5 seconds while the body
+/// runs), `max_run` 10 minutes, a concurrent duplicate waits for the first call's
+/// outcome, at-least-once after a crash.
 ///
 /// # Choosing the TTL
 ///
-/// The TTL must exceed the longest a run plus its retries can take. Typical choices:
-/// payments and transactional emails 24 hours; notifications and record updates 1 hour;
-/// document generation and exports 7 days. Reads (`get_customer`, `search_products`),
-/// logs and analytics need no idempotency at all: leave them undecorated and save the
-/// store round trip.
+/// The TTL is how long a result is kept and replayed, counted from the moment the call
+/// completed. It must exceed the longest a run plus its retries can take. Typical
+/// choices: payments and transactional emails 24 hours; notifications and record updates
+/// 1 hour; document generation and exports 7 days. Reads (`get_customer`,
+/// `search_products`), logs and analytics need no idempotency at all: leave them
+/// undecorated and save the store round trip. A TTL shorter than the body is legal: the
+/// claim lives by its lease, not by the TTL.
 ///
-/// # Choosing the lease
+/// # The lease, the heartbeat and `max_run`
 ///
-/// The lease is how long a claim holds before its owner is considered crashed. Set it
-/// above the operation's longest run time: a call still running when its lease ends
-/// may be taken over by a retry (and its own result is then rejected with
-/// [`Error::LostLease`](crate::Error::LostLease)). After a real crash, retries wait up to
-/// one lease before the key is taken over.
+/// While the body runs, its claim is renewed every third of the lease (a heartbeat), so
+/// a live body never loses its key however long it takes, up to `max_run`. The lease is
+/// therefore not a bound on the body: it is how long a *crashed* process's claim holds
+/// before another call may take it over (at-least-once) or report it unknown
+/// (at-most-once). Keep it well above the store's round trip (a few hundred
+/// milliseconds at the very least) and the longest pause you expect a live process to
+/// make; 15 seconds tolerates a renewal that runs into a network store's whole 5-second
+/// timeout.
+///
+/// `max_run` bounds the heartbeat: an async body still running then is stopped (dropped
+/// at its current `.await`), its claim is settled by the [`Delivery`] policy, and the
+/// caller gets [`Error::MaxRunExceeded`](crate::Error::MaxRunExceeded). A sync body
+/// cannot be stopped from outside: its claim is no longer renewed, and a takeover after
+/// its lease makes its late result [`Error::LostLease`](crate::Error::LostLease).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Options {
-    /// How long a completed result is kept and replayed.
+    /// How long a completed result is kept and replayed, from completion.
     pub ttl: Duration,
-    /// How long an in-progress claim holds before it is considered crashed.
+    /// How long a claim holds without a heartbeat before its owner is considered dead.
     pub lease: Duration,
+    /// The longest a body may run; its claim is renewed until then.
+    pub max_run: Duration,
     /// What a concurrent duplicate does.
     pub on_busy: OnBusy,
-    /// What a call does after an earlier claim's lease expired.
+    /// What a call does after an earlier claim was given up without an outcome.
     pub delivery: Delivery,
 }
 
 impl Options {
     /// The default TTL: 24 hours.
     pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
-    /// The default lease: 60 seconds.
-    pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+    /// The default lease: 15 seconds. A crashed process's claim is taken over (or
+    /// reported unknown) at most this long after its last heartbeat.
+    pub const DEFAULT_LEASE: Duration = Duration::from_secs(15);
+    /// The default longest run: 10 minutes. Agent tool calls take seconds; a body still
+    /// running after ten minutes is almost certainly hung, and holding its key longer
+    /// would block every retry of it.
+    pub const DEFAULT_MAX_RUN: Duration = Duration::from_secs(10 * 60);
 
     /// The defaults.
     pub const fn new() -> Self {
         Options {
             ttl: Self::DEFAULT_TTL,
             lease: Self::DEFAULT_LEASE,
+            max_run: Self::DEFAULT_MAX_RUN,
             on_busy: OnBusy::Wait(None),
             delivery: Delivery::AtLeastOnce,
         }
     }
 
-    /// Sets how long results are kept.
+    /// Sets how long results are kept, from completion.
     pub const fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
     }
 
-    /// Sets how long a claim holds before it is considered crashed.
+    /// Sets how long a claim holds without a heartbeat.
     pub const fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
+        self
+    }
+
+    /// Sets the longest a body may run.
+    pub const fn max_run(mut self, max_run: Duration) -> Self {
+        self.max_run = max_run;
         self
     }
 
@@ -102,7 +132,7 @@ impl Options {
         self
     }
 
-    /// After a crash, reports `OutcomeUnknown` instead of running again.
+    /// Reports `OutcomeUnknown` instead of running again after a claim was given up.
     pub const fn at_most_once(mut self) -> Self {
         self.delivery = Delivery::AtMostOnce;
         self
@@ -111,9 +141,17 @@ impl Options {
     /// How long a concurrent duplicate waits, all told.
     pub(crate) fn max_wait(&self) -> Option<Duration> {
         match self.on_busy {
-            OnBusy::Wait(max) => Some(max.unwrap_or(self.lease)),
+            OnBusy::Wait(max) => {
+                Some(max.unwrap_or_else(|| self.max_run.saturating_add(self.lease)))
+            }
             OnBusy::FailFast => None,
         }
+    }
+
+    /// How often a running body's claim is renewed: a third of the lease, so two
+    /// renewals in a row may fail or come late before the claim is lost.
+    pub(crate) fn renew_every(&self) -> Duration {
+        (self.lease / 3).max(Duration::from_millis(1))
     }
 }
 

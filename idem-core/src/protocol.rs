@@ -31,13 +31,20 @@
 //! The protocol holds no lock while the operation runs. A call whose future is dropped
 //! mid-operation leaves its claim in place until the lease expires, as a crash does.
 
+use std::any::Any;
 use std::future::Future;
+use std::panic::{self, AssertUnwindSafe};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tracing::Instrument;
 
+use crate::error::Human;
+use crate::heartbeat::{self, Beat, Lease, Ran};
 use crate::options::{Delivery, Options};
 use crate::record::{Timestamp, Token};
 use crate::run::CURRENT_KEY;
@@ -283,7 +290,11 @@ impl Call {
     }
 }
 
-/// Runs an async operation at most once per key (see the module docs).
+/// Runs an async operation at most once per key (see the module docs). If the caller
+/// stops waiting (drops this future) while the operation runs, the operation is dropped
+/// with it and its claim is settled at once by the delivery policy: released
+/// (at-least-once) or recorded as outcome-unknown (at-most-once). For an operation that
+/// can run on its own, [`execute_finishing`] finishes it instead.
 ///
 /// Returns `Ok(output)` with the operation's own output (run now or replayed), or an
 /// [`Error`] when idem could not run it safely. `C` is the [`ErrorPolicy`].
@@ -298,11 +309,92 @@ where
         Acquired::Replay(output) => return Ok(output),
         Acquired::Owner(owner) => owner,
     };
-    let output = CURRENT_KEY.scope(call.key.clone(), operation).await;
-    finish::<R, C>(&call, owner, output).await
+    own::<R, C, _>(&call, &owner, operation).await
 }
 
-/// Runs a blocking operation at most once per key: [`execute`] for sync tools.
+/// [`execute`] for an operation that can run on its own (`Send + 'static`): if the
+/// caller stops waiting (its own timeout, `select!`, an aborted task, a disconnected
+/// client) while the operation runs, the operation goes on in a tokio task to its end,
+/// its outcome is recorded as usual, and a retry gets that outcome as soon as it is in.
+///
+/// The task keeps the caller's ambient [`Run`] and `tracing` span; other task-locals of
+/// the caller's are not carried over. Outside a tokio runtime there is nowhere to finish,
+/// and a dropped call is settled as [`execute`] settles it.
+pub async fn execute_finishing<R, C, Fut>(
+    call: Result<Call, Error>,
+    operation: Fut,
+) -> Result<R, Error>
+where
+    R: ToolOutput + Send + 'static,
+    R::Ok: Send,
+    R::Err: Send,
+    C: ErrorPolicy<R::Err> + 'static,
+    Fut: Future<Output = R> + Send + 'static,
+{
+    let call = call?;
+    let owner = match acquire::<R, C, AsyncPause>(&call).await? {
+        Acquired::Replay(output) => return Ok(output),
+        Acquired::Owner(owner) => owner,
+    };
+    if tokio::runtime::Handle::try_current().is_err() {
+        return own::<R, C, _>(&call, &owner, operation).await;
+    }
+    let operation = crate::run::keep_ambient_run(operation);
+    let key = call.key.clone();
+    let life = async move { own::<R, C, _>(&call, &owner, operation).await };
+    Finishing {
+        life: Some(Box::pin(life.instrument(tracing::Span::current()))),
+        key,
+    }
+    .await
+}
+
+/// An owner's call, run by [`execute_finishing`]: finished in a task of its own if the
+/// caller drops it.
+struct Finishing<R: Send + 'static> {
+    life: Option<Pin<Box<dyn Future<Output = Result<R, Error>> + Send>>>,
+    key: Key,
+}
+
+impl<R: Send + 'static> Future for Finishing<R> {
+    type Output = Result<R, Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(life) = self.life.as_mut() else {
+            return Poll::Ready(Err(Error::store("idem", "polled after completion")));
+        };
+        let output = std::task::ready!(life.as_mut().poll(cx));
+        self.life = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<R: Send + 'static> Drop for Finishing<R> {
+    fn drop(&mut self) {
+        let Some(life) = self.life.take() else {
+            return;
+        };
+        let key = self.key.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                tracing::debug!(%key, "idem: the caller stopped waiting; the body runs on and its outcome will answer the retry");
+                runtime.spawn(async move {
+                    match life.await {
+                        Ok(_) => tracing::debug!(%key, "idem: a body whose caller stopped waiting finished; its outcome is recorded"),
+                        Err(error) => tracing::warn!(%key, %error, "idem: a body whose caller stopped waiting ended with an error"),
+                    }
+                });
+            }
+            // Nowhere to finish it: dropped, its claim is settled as `execute` settles it.
+            Err(_) => drop(life),
+        }
+    }
+}
+
+/// Runs a blocking operation at most once per key: [`execute`] for sync tools. Its claim
+/// is renewed by a heartbeat thread while it runs (a sync body cannot be stopped, so at
+/// `max_run` the renewals stop, and a takeover after the lease fences its result). A
+/// panic in the operation settles the claim by the delivery policy, then goes on.
 ///
 /// Store calls block the current thread. The memory and sled stores work anywhere.
 /// The Postgres and Redis stores run on tokio: call sync tools that use them from a
@@ -322,8 +414,16 @@ where
             Acquired::Replay(output) => return Ok(output),
             Acquired::Owner(owner) => owner,
         };
-        let output = CURRENT_KEY.sync_scope(call.key.clone(), operation);
-        finish::<R, C>(&call, owner, output).await
+        let guard = Settle::new(&call, &owner);
+        let beat = Beat::start(&owner.store, &owner.lease(&call));
+        let output = panic::catch_unwind(AssertUnwindSafe(|| {
+            CURRENT_KEY.sync_scope(call.key.clone(), operation)
+        }));
+        drop(beat);
+        match output {
+            Ok(output) => finish::<R, C>(&call, guard, output).await,
+            Err(panic) => guard.panicked(panic).await,
+        }
     })
 }
 
@@ -347,29 +447,54 @@ impl Drop for BlockingGuard {
     }
 }
 
+/// Marks this thread as one that blocks for good (the heartbeat thread): network stores
+/// answer there with an error instead of waiting on tokio.
+pub(crate) fn mark_blocking() {
+    BLOCKING.with(|b| b.set(true));
+}
+
 #[cfg(any(feature = "postgres", feature = "redis"))]
-/// For stores that run on tokio: an error if the current thread is blocked in a sync
-/// tool where tokio cannot make progress (no runtime, or a current-thread runtime whose
-/// only thread is the blocked one). Waiting there would never end.
+/// For stores that run on tokio: an error if tokio cannot make progress from here (no
+/// runtime; or a thread blocked in a sync tool whose runtime is a current-thread one,
+/// whose only thread is the blocked one). Waiting there would never end.
 pub(crate) fn check_tokio_reachable(store: &'static str) -> Result<(), Error> {
-    if !BLOCKING.with(|b| b.get()) {
-        return Ok(());
-    }
-    match tokio::runtime::Handle::try_current() {
+    let runtime = tokio::runtime::Handle::try_current();
+    let blocking = BLOCKING.with(|b| b.get());
+    match runtime {
+        Ok(_) if !blocking => Ok(()),
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => Ok(()),
-        _ => Err(Error::store(
+        Ok(_) => Err(Error::store(
             store,
             "a sync tool on this store must run on a thread of a multi-threaded tokio runtime \
              (e.g. inside tokio::task::spawn_blocking): here the store could never answer",
         )),
+        Err(_) => Err(Error::store(
+            store,
+            "this store runs on tokio, and there is no tokio runtime here: call the tool inside \
+             one (a sync tool: on a thread of a multi-threaded runtime)",
+        )),
     }
 }
 
+/// The claim this call acquired.
 struct Owner {
-    store: std::sync::Arc<dyn Store>,
+    store: Arc<dyn Store>,
     token: Token,
 }
 
+impl Owner {
+    fn lease<'a>(&'a self, call: &'a Call) -> Lease<'a> {
+        Lease {
+            store: &*self.store,
+            key: &call.key,
+            tool: &call.tool,
+            token: self.token,
+            options: &call.options,
+        }
+    }
+}
+
+/// What an acquired key gives the caller: the stored outcome, or the claim.
 enum Acquired<R> {
     Replay(R),
     Owner(Owner),
@@ -378,7 +503,11 @@ enum Acquired<R> {
 /// First wait between polls of a key held in another process; doubles up to the cap.
 const POLL_START: Duration = Duration::from_millis(5);
 const POLL_CAP: Duration = Duration::from_millis(100);
+/// How long a call waits for another's claim before it says so at `info`.
+const NOTICEABLE_WAIT: Duration = Duration::from_secs(1);
 
+/// Acquires the call's key: replays a stored outcome, or claims the key (waiting for a
+/// concurrent duplicate as the options say).
 async fn acquire<R, C, P>(call: &Call) -> Result<Acquired<R>, Error>
 where
     R: ToolOutput,
@@ -386,13 +515,7 @@ where
     P: Pause,
 {
     let store = call.run.store_ref()?;
-    let key = &call.key;
-    let mut hit = None;
-    (**store).with_completed_result(key, &call.fingerprint, &mut |bytes| {
-        hit = Some(replay::<R>(key, bytes));
-    });
-    if let Some(replayed) = hit {
-        tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
+    if let Some(replayed) = replay_without_claim::<R>(call, &**store) {
         return replayed;
     }
     let request = ClaimRequest {
@@ -403,85 +526,335 @@ where
         take_over_expired: call.options.delivery == Delivery::AtLeastOnce,
         retry_failed: !C::CACHES,
     };
-    let mut started: Option<Instant> = None;
-    let mut poll = POLL_START;
-    let mut waiting = wait::Waiting::new(key);
-    let result = loop {
-        // Through `&dyn Store`: the `Arc`'s own `Store` impl would box a second future.
-        match (**store).claim(key, &request).await {
-            Err(e) => break Err(e),
-            Ok(Claim::Acquired { took_over }) => {
+    let acquired = claim_loop::<R, C, P>(call, &**store, &request).await?;
+    Ok(match acquired {
+        Some(replayed) => Acquired::Replay(replayed),
+        None => Acquired::Owner(Owner {
+            store: store.into_owned(),
+            token: request.token,
+        }),
+    })
+}
+
+/// The hit path: a store that can tell at once that the key completed for this input
+/// answers without a claim.
+fn replay_without_claim<R: ToolOutput>(
+    call: &Call,
+    store: &dyn Store,
+) -> Option<Result<Acquired<R>, Error>> {
+    let key = &call.key;
+    let mut hit = None;
+    store.with_completed_result(key, &call.fingerprint, &mut |bytes| {
+        hit = Some(replay::<R>(key, bytes));
+    });
+    if hit.is_some() {
+        tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
+    }
+    hit.map(|replayed| replayed.map(Acquired::Replay))
+}
+
+/// Claims the key until the claim is decided: `Ok(None)` when this call owns it now,
+/// `Ok(Some(output))` to replay, or the error the claim found. A busy key is waited for
+/// ([`wait_for_owner`]).
+async fn claim_loop<R, C, P>(
+    call: &Call,
+    store: &dyn Store,
+    request: &ClaimRequest,
+) -> Result<Option<R>, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    P: Pause,
+{
+    let key = &call.key;
+    let mut waiting = Waiting::new(call);
+    loop {
+        match store.claim(key, request).await? {
+            Claim::Acquired { took_over } => {
                 if took_over {
-                    tracing::info!(tool = %call.tool, %key, "idem: lease expired, taking over and running again");
+                    tracing::info!(tool = %call.tool, %key, "idem: an earlier claim's lease ran out (its process died); taking over and running again");
                 } else {
                     tracing::debug!(tool = %call.tool, %key, "idem: miss, running");
                 }
-                break Ok(Acquired::Owner(Owner {
-                    store: store.into_owned(),
-                    token: request.token,
-                }));
+                return Ok(None);
             }
-            Ok(Claim::Completed(bytes)) => {
+            Claim::Completed(bytes) => {
                 tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
-                break replay::<R>(key, &bytes);
+                return replay::<R>(key, &bytes).map(Some);
             }
-            Ok(Claim::Failed(bytes)) => {
+            Claim::Failed(bytes) => {
                 tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored error");
-                break C::decode(key, &bytes).map(|e| Acquired::Replay(R::from_result(Err(e))));
+                return C::decode(key, &bytes).map(|e| Some(R::from_result(Err(e))));
             }
-            Ok(Claim::Mismatch) => {
+            Claim::Mismatch => {
                 tracing::warn!(tool = %call.tool, %key, "idem: payload mismatch");
-                break Err(Error::PayloadMismatch {
+                return Err(Error::PayloadMismatch {
                     key: key.to_string(),
                 });
             }
-            Ok(Claim::Abandoned) => {
-                tracing::warn!(tool = %call.tool, %key, "idem: earlier call crashed, outcome unknown (at-most-once)");
-                break Err(Error::OutcomeUnknown {
+            Claim::Abandoned { expires_at } => {
+                tracing::warn!(tool = %call.tool, %key, "idem: an earlier call stopped without an outcome; it is unknown (at-most-once)");
+                return Err(Error::OutcomeUnknown {
                     key: key.to_string(),
+                    expires_in: expires_at.remaining(Timestamp::now()),
                 });
             }
-            Ok(Claim::Busy { lease_until }) => {
-                let waited = started.get_or_insert_with(Instant::now).elapsed();
-                let budget = match call.options.max_wait() {
-                    Some(max) if waited < max => max - waited,
-                    _ => {
-                        tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, not waiting");
-                        break Err(Error::InProgress {
-                            key: key.to_string(),
-                        });
-                    }
-                };
-                // Listen before each claim, so a completion in between is not missed.
-                match waiting.relisten() {
-                    None => {
-                        tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, waiting")
-                    }
-                    Some(l) => {
-                        let until_lease =
-                            lease_until.remaining(Timestamp::now()) + Duration::from_millis(1);
-                        P::pause(l, poll.min(budget).min(until_lease)).await;
-                        poll = (poll * 2).min(POLL_CAP);
-                    }
-                }
+            Claim::Busy { lease_until } => waiting.pause::<P>(lease_until).await?,
+        }
+    }
+}
+
+/// A call waiting for another call's claim on its key.
+struct Waiting<'a> {
+    call: &'a Call,
+    started: Option<Instant>,
+    poll: Duration,
+    said_so: bool,
+    listening: wait::Waiting<'a>,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(call: &'a Call) -> Self {
+        Waiting {
+            call,
+            started: None,
+            poll: POLL_START,
+            said_so: false,
+            listening: wait::Waiting::new(&call.key),
+        }
+    }
+
+    /// Waits a little for the claim held until `lease_until` (woken at once by an owner
+    /// in this process), or returns [`Error::InProgress`] when the call may wait no more.
+    async fn pause<P: Pause>(&mut self, lease_until: Timestamp) -> Result<(), Error> {
+        let (call, key) = (self.call, &self.call.key);
+        let waited = self.started.get_or_insert_with(Instant::now).elapsed();
+        let lease_left = lease_until.remaining(Timestamp::now());
+        let budget = match call.options.max_wait() {
+            Some(max) if waited < max => max - waited,
+            _ => {
+                tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, not waiting longer");
+                return Err(Error::InProgress {
+                    key: key.to_string(),
+                    lease_left,
+                    waited,
+                });
+            }
+        };
+        if waited >= NOTICEABLE_WAIT && !self.said_so {
+            self.said_so = true;
+            tracing::info!(
+                tool = %call.tool,
+                %key,
+                waited = %Human(waited),
+                claim_expires_in = %Human(lease_left),
+                "idem: waiting for another call that holds this key (its claim is renewed while it runs); \
+                 this call gets its result when it finishes"
+            );
+        }
+        // Listen before each claim, so a completion in between is not missed.
+        match self.listening.relisten() {
+            None => {
+                tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, waiting")
+            }
+            Some(listener) => {
+                let until_lease = lease_left + Duration::from_millis(1);
+                P::pause(listener, self.poll.min(budget).min(until_lease)).await;
+                self.poll = (self.poll * 2).min(POLL_CAP);
             }
         }
-    };
-    drop(waiting);
-    result
+        Ok(())
+    }
 }
 
 /// A stored result, decoded for replay.
-fn replay<R: ToolOutput>(key: &Key, bytes: &[u8]) -> Result<Acquired<R>, Error> {
+fn replay<R: ToolOutput>(key: &Key, bytes: &[u8]) -> Result<R, Error> {
     serde_json::from_slice::<R::Ok>(bytes)
-        .map(|value| Acquired::Replay(R::from_result(Ok(value))))
+        .map(|value| R::from_result(Ok(value)))
         .map_err(|source| Error::StoredResult {
             key: key.to_string(),
             source,
         })
 }
 
-async fn finish<R, C>(call: &Call, owner: Owner, output: R) -> Result<R, Error>
+/// The owner's part: runs the operation with its heartbeat, then records its outcome.
+/// Dropped before the end, it settles the claim (see [`Settle`]).
+async fn own<R, C, Fut>(call: &Call, owner: &Owner, operation: Fut) -> Result<R, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    Fut: Future<Output = R>,
+{
+    let guard = Settle::new(call, owner);
+    let lease = owner.lease(call);
+    // In a block of its own: the body is dropped at its end, before the claim is
+    // settled, whatever stopped it.
+    let ran = {
+        let body = std::pin::pin!(CURRENT_KEY.scope(call.key.clone(), operation));
+        let caught = std::pin::pin!(CatchUnwind(body));
+        heartbeat::drive(caught, &lease).await
+    };
+    match ran {
+        Ran::Finished(Ok(output)) => finish::<R, C>(call, guard, output).await,
+        Ran::Finished(Err(panic)) => guard.panicked(panic).await,
+        Ran::OverMaxRun => {
+            tracing::warn!(tool = %call.tool, key = %call.key, max_run = %Human(call.options.max_run), "idem: the body ran past its max_run and was stopped");
+            guard.settle("was stopped at its max_run").await;
+            Err(Error::MaxRunExceeded {
+                key: call.key.to_string(),
+                max_run: call.options.max_run,
+            })
+        }
+        Ran::Lost => {
+            guard.disarm();
+            Err(Error::LostLease {
+                key: call.key.to_string(),
+            })
+        }
+    }
+}
+
+/// A future that turns a panic in `F`'s poll into `Err(payload)`.
+struct CatchUnwind<F>(F);
+
+impl<F: Future + Unpin> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = &mut self.0;
+        match panic::catch_unwind(AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Err(payload) => Poll::Ready(Err(payload)),
+        }
+    }
+}
+
+/// The duty to settle an owned claim. Armed until the call recorded an outcome or
+/// settled the claim itself; dropped armed (the caller stopped waiting, or a panic
+/// unwound through the protocol), it settles the claim from a task of its own, at once.
+///
+/// Settling follows the delivery policy: at-least-once releases the claim, so a retry
+/// runs at once; at-most-once gives it up as abandoned (a zero-lease renewal), so a
+/// retry gets [`Error::OutcomeUnknown`] at once. Either way no caller in a live process
+/// waits out a lease, and waiters in this process are woken.
+struct Settle<'a> {
+    call: &'a Call,
+    owner: &'a Owner,
+    armed: bool,
+}
+
+impl<'a> Settle<'a> {
+    fn new(call: &'a Call, owner: &'a Owner) -> Self {
+        Settle {
+            call,
+            owner,
+            armed: true,
+        }
+    }
+
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+
+    /// Settles the claim now.
+    async fn settle(mut self, why: &str) {
+        self.armed = false;
+        settle(
+            &*self.owner.store,
+            &self.call.key,
+            &self.call.tool,
+            self.owner.token,
+            &self.call.options,
+            why,
+        )
+        .await;
+    }
+
+    /// Releases the claim now (a failed call, whatever the delivery policy).
+    async fn release(mut self) {
+        self.armed = false;
+        let (call, key) = (self.call, &self.call.key);
+        match self.owner.store.release(key, self.owner.token).await {
+            Ok(Fenced::Applied) => {}
+            Ok(Fenced::LostLease) => {
+                tracing::debug!(tool = %call.tool, %key, "idem: release found the key taken over")
+            }
+            // The claim stays until its lease runs out; retries wait for that.
+            Err(error) => tracing::warn!(tool = %call.tool, %key, %error, "idem: release failed"),
+        }
+        wait::notify(key);
+    }
+
+    /// The body panicked: settles the claim, then lets the panic go on, unchanged.
+    async fn panicked<T>(self, payload: Box<dyn Any + Send>) -> T {
+        tracing::error!(tool = %self.call.tool, key = %self.call.key, "idem: the body panicked; settling its claim");
+        self.settle("panicked").await;
+        panic::resume_unwind(payload)
+    }
+}
+
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let store = Arc::clone(&self.owner.store);
+        let (key, tool) = (self.call.key.clone(), self.call.tool.clone());
+        let (token, options) = (self.owner.token, self.call.options);
+        let settling = async move {
+            settle(
+                &*store,
+                &key,
+                &tool,
+                token,
+                &options,
+                "was dropped by its caller",
+            )
+            .await
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(settling)),
+            // No runtime (a sync tool, another executor): the in-process stores answer
+            // here; a network store reports that it cannot.
+            Err(_) => pollster::block_on(settling),
+        }
+    }
+}
+
+/// Settles a claim given up without an outcome, by the delivery policy (see [`Settle`]).
+async fn settle(
+    store: &dyn Store,
+    key: &Key,
+    tool: &str,
+    token: Token,
+    options: &Options,
+    why: &str,
+) {
+    let settled = match options.delivery {
+        Delivery::AtLeastOnce => store.release(key, token).await,
+        Delivery::AtMostOnce => store.renew(key, token, Duration::ZERO, options.ttl).await,
+    };
+    let outcome = match options.delivery {
+        Delivery::AtLeastOnce => "released: a retry runs again",
+        Delivery::AtMostOnce => "recorded as outcome unknown (at-most-once)",
+    };
+    match settled {
+        Ok(Fenced::Applied) => {
+            tracing::info!(%tool, %key, "idem: a call {why}; its claim was {outcome}")
+        }
+        Ok(Fenced::LostLease) => {
+            tracing::debug!(%tool, %key, "idem: a call {why}; its claim was no longer its own")
+        }
+        Err(error) => {
+            tracing::warn!(%tool, %key, %error, "idem: a call {why}, and its claim could not be settled; it holds until its lease runs out")
+        }
+    }
+    wait::notify(key);
+}
+
+/// Records the outcome of a body that ran to its end.
+async fn finish<R, C>(call: &Call, guard: Settle<'_>, output: R) -> Result<R, Error>
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
@@ -489,84 +862,71 @@ where
     let key = &call.key;
     let result = output.into_result();
     let stored = match &result {
-        Ok(value) => match serde_json::to_vec(value) {
-            Ok(bytes) => Some(bytes),
-            Err(source) => {
-                return Err(unstorable(
-                    call,
-                    &owner,
-                    Error::Output {
-                        key: key.to_string(),
-                        source,
-                    },
-                )
-                .await)
-            }
-        },
-        Err(error) if C::CACHES => match C::encode(key, error) {
-            Ok(bytes) => Some(bytes),
-            Err(e) => return Err(unstorable(call, &owner, e).await),
-        },
-        Err(_) => None,
+        Ok(value) => serde_json::to_vec(value)
+            .map(Some)
+            .map_err(|source| Error::Output {
+                key: key.to_string(),
+                source,
+            }),
+        Err(error) if C::CACHES => C::encode(key, error).map(Some),
+        Err(_) => Ok(None),
     };
-    if let Some(bytes) = &stored {
-        let limit = owner.store.max_result_bytes();
-        if bytes.len() > limit {
-            let error = Error::ResultTooLarge {
+    let stored = stored.and_then(|bytes| {
+        let limit = guard.owner.store.max_result_bytes();
+        match bytes {
+            Some(bytes) if bytes.len() > limit => Err(Error::ResultTooLarge {
                 key: key.to_string(),
                 size: bytes.len(),
                 limit,
-            };
-            return Err(unstorable(call, &owner, error).await);
+            }),
+            bytes => Ok(bytes),
         }
-    }
-    let Some(bytes) = stored else {
-        tracing::debug!(tool = %call.tool, %key, "idem: operation failed, releasing the key for retries");
-        release(call, &owner).await;
-        return Ok(R::from_result(result));
+    });
+    let bytes = match stored {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => {
+            tracing::debug!(tool = %call.tool, %key, "idem: operation failed, releasing the key for retries");
+            guard.release().await;
+            return Ok(R::from_result(result));
+        }
+        Err(error) => {
+            // The body ran but its outcome cannot be stored.
+            tracing::warn!(tool = %call.tool, %key, %error, "idem: the body ran but its outcome cannot be stored");
+            guard.settle("ran, but its outcome cannot be stored").await;
+            return Err(error);
+        }
     };
     let outcome = match result {
         Ok(_) => Outcome::Completed(&bytes),
         Err(_) => Outcome::Failed(&bytes),
     };
-    let fenced = (*owner.store)
+    let owner = guard.owner;
+    let completed = owner
+        .store
         .complete(key, owner.token, outcome, call.options.ttl)
         .await;
+    let fenced = match completed {
+        Ok(fenced) => {
+            guard.disarm();
+            fenced
+        }
+        Err(error) => {
+            guard
+                .settle("ran, but its outcome could not be recorded")
+                .await;
+            return Err(error);
+        }
+    };
     wait::notify(key);
-    match fenced? {
+    match fenced {
         Fenced::Applied => Ok(R::from_result(result)),
         Fenced::LostLease => {
-            tracing::warn!(tool = %call.tool, %key, "idem: lease lost while running; result not stored");
+            tracing::warn!(tool = %call.tool, %key, "idem: the claim was lost while the body ran; result not stored");
             Err(Error::LostLease {
                 key: key.to_string(),
             })
         }
     }
-}
-
-/// The body ran but its outcome cannot be stored. At-least-once: release the key, so a
-/// retry runs again. At-most-once: keep the claim, so a retry after the lease gets
-/// `OutcomeUnknown` rather than a second run.
-async fn unstorable(call: &Call, owner: &Owner, error: Error) -> Error {
-    tracing::warn!(tool = %call.tool, key = %call.key, %error, "idem: the body ran but its outcome cannot be stored");
-    if call.options.delivery == Delivery::AtLeastOnce {
-        release(call, owner).await;
-    }
-    error
-}
-
-async fn release(call: &Call, owner: &Owner) {
-    match (*owner.store).release(&call.key, owner.token).await {
-        Ok(Fenced::Applied) => {}
-        Ok(Fenced::LostLease) => {
-            tracing::debug!(tool = %call.tool, key = %call.key, "idem: release found the key taken over")
-        }
-        Err(e) => {
-            // The claim stays until its lease expires; retries wait for that.
-            tracing::warn!(tool = %call.tool, key = %call.key, error = %e, "idem: release failed")
-        }
-    }
-    wait::notify(&call.key);
 }
 
 /// Converts an idem error into the tool's output (`Err(E::from(error))`); what the

@@ -145,6 +145,18 @@ impl std::fmt::Debug for Run {
     }
 }
 
+/// `future`, keeping the ambient run of the caller (if any) wherever it is polled: for a
+/// body that may go on in a task of its own after its caller stopped waiting.
+pub(crate) fn keep_ambient_run<F: Future>(future: F) -> impl Future<Output = F::Output> {
+    let run = Run::current();
+    async move {
+        match run {
+            Some(run) => CURRENT_RUN.scope(run, future).await,
+            None => future.await,
+        }
+    }
+}
+
 /// The idempotency key of the call whose body is running, or `None` outside one.
 ///
 /// Forward it downstream, so the other side can deduplicate too (Stripe's

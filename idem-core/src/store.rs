@@ -6,8 +6,13 @@
 //! - [`Store::claim`] is one atomic step: of any number of concurrent claims on a key
 //!   (tasks, threads, processes, machines), at most one returns [`Claim::Acquired`]
 //!   while its lease is alive.
-//! - [`Store::complete`] and [`Store::release`] are fenced by the owner's token: they
-//!   change the record only while it is in progress *with that token*.
+//! - [`Store::complete`], [`Store::renew`] and [`Store::release`] are fenced by the
+//!   owner's token: they change the record only while it is in progress *with that
+//!   token*.
+//! - A claim lives by its lease, a result by its TTL: an in-progress record expires one
+//!   TTL after its lease ends (so a claim given up without an outcome is remembered, for
+//!   at-most-once tools, as long as a result would be), and a completed one one TTL
+//!   after its completion.
 //! - An expired record (its `expires_at` has passed) is absent on every read path,
 //!   whatever the physical cleanup ([`Store::purge_expired`], the store's own TTL)
 //!   has done so far.
@@ -33,9 +38,10 @@ pub struct ClaimRequest {
     pub fingerprint: Fingerprint,
     /// The caller's fencing token, written into the record if the claim succeeds.
     pub token: Token,
-    /// How long the claim holds before it is considered abandoned.
+    /// How long the claim holds, unless renewed, before it is considered abandoned.
     pub lease: Duration,
-    /// How long the record lives (the claim, and then the result).
+    /// How long the record lives after the claim's lease ends (and, once completed,
+    /// after its completion).
     pub ttl: Duration,
     /// When the existing claim's lease has expired: take it over (`true`,
     /// at-least-once) or report it abandoned (`false`, at-most-once).
@@ -63,9 +69,14 @@ pub enum Claim {
         /// decides by a server's clock converts it).
         lease_until: Timestamp,
     },
-    /// An earlier claim's lease expired without an outcome, and the request does not
+    /// An earlier claim was given up without an outcome (its lease ran out, or its
+    /// owner gave it up with a zero-lease [`Store::renew`]), and the request does not
     /// take over abandoned claims: the outcome is unknown.
-    Abandoned,
+    Abandoned {
+        /// When the record of the abandoned claim expires, by this process's clock (a
+        /// store that decides by a server's clock converts it).
+        expires_at: Timestamp,
+    },
     /// The key belongs to a different input.
     Mismatch,
 }
@@ -77,6 +88,28 @@ pub enum Outcome<'a> {
     Completed(&'a [u8]),
     /// The serialized `Err` value (only when the tool caches errors).
     Failed(&'a [u8]),
+}
+
+/// A write only the claim's owner may make: fenced by its token.
+#[derive(Clone, Copy, Debug)]
+pub enum OwnerWrite<'a> {
+    /// Record the outcome; the record then lives for `ttl` from now.
+    Complete {
+        /// The outcome.
+        outcome: Outcome<'a>,
+        /// How long the result is kept.
+        ttl: Duration,
+    },
+    /// Extend the claim: its lease ends `lease` from now, and the record expires `ttl`
+    /// after that. A zero lease gives the claim up as abandoned at once.
+    Renew {
+        /// The new lease, from now.
+        lease: Duration,
+        /// How long the record lives after the lease.
+        ttl: Duration,
+    },
+    /// Remove the claim, so the next call runs again.
+    Release,
 }
 
 /// Whether a fenced write found the caller still owning the key.
@@ -109,6 +142,25 @@ pub trait Store: Send + Sync + 'static {
 
     /// Removes the claim `token` holds, so the next call runs again.
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error>;
+
+    /// Renews the claim `token` holds (the heartbeat of a running body): its lease now
+    /// ends `lease` from now, by the store's clock, and the record expires `ttl` after
+    /// that. A claim whose lease ran out but that nobody took over is renewed too.
+    ///
+    /// A zero `lease` gives the claim up at once: the next claim finds it abandoned, and
+    /// takes it over (at-least-once) or reports [`Claim::Abandoned`] (at-most-once), for
+    /// `ttl` from now. This is how a call cancelled or panicking in a live process settles
+    /// an at-most-once claim without anyone waiting out a lease.
+    ///
+    /// A renewal need not be durable: losing one in a crash only brings the lease's end
+    /// back to an earlier renewal's, and the process is gone anyway.
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error>;
 
     /// The live record under `key`, if any (expired records are `None`).
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error>;
@@ -183,6 +235,15 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
         (**self).release(key, token).await
     }
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        (**self).renew(key, token, lease, ttl).await
+    }
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         (**self).get(key).await
     }
@@ -208,7 +269,8 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 /// The claim rule. Given the record currently under the key (`None` if absent), returns
 /// what the claim found and, if the store must write, the record to write.
 ///
-/// - absent or expired → write a fresh in-progress record: `Acquired`
+/// - absent or expired → write a fresh in-progress record, whose lease ends `lease` from
+///   now and which expires `ttl` after that: `Acquired`
 /// - different fingerprint → `Mismatch` (nothing written)
 /// - completed → `Completed`; failed → `Failed`, or re-claimed when `retry_failed`
 /// - in progress, lease alive → `Busy`
@@ -219,14 +281,14 @@ pub fn decide_claim(
     request: &ClaimRequest,
     now: Timestamp,
 ) -> (Claim, Option<Record>) {
-    let fresh = || Record {
-        fingerprint: request.fingerprint,
-        created_at: now,
-        expires_at: now.after(request.ttl),
-        state: State::InProgress {
-            token: request.token,
-            lease_until: now.after(request.lease),
-        },
+    let fresh = || {
+        in_progress(
+            request.fingerprint,
+            request.token,
+            now,
+            request.lease,
+            request.ttl,
+        )
     };
     let existing = match existing {
         Some(r) if !r.is_expired(now) => r,
@@ -250,7 +312,30 @@ pub fn decide_claim(
         State::InProgress { .. } if request.take_over_expired => {
             (Claim::Acquired { took_over: true }, Some(fresh()))
         }
-        State::InProgress { .. } => (Claim::Abandoned, None),
+        State::InProgress { .. } => (
+            Claim::Abandoned {
+                expires_at: existing.expires_at,
+            },
+            None,
+        ),
+    }
+}
+
+/// An in-progress record written at `now`: its lease ends `lease` later, and the record
+/// expires `ttl` after the lease.
+fn in_progress(
+    fingerprint: Fingerprint,
+    token: Token,
+    now: Timestamp,
+    lease: Duration,
+    ttl: Duration,
+) -> Record {
+    let lease_until = now.after(lease);
+    Record {
+        fingerprint,
+        created_at: now,
+        expires_at: lease_until.after(ttl),
+        state: State::InProgress { token, lease_until },
     }
 }
 
@@ -259,36 +344,48 @@ pub fn decide_claim(
 pub fn decide_fenced(
     existing: Option<&Record>,
     token: Token,
-    outcome: Option<(Outcome<'_>, Duration)>,
+    write: OwnerWrite<'_>,
     now: Timestamp,
 ) -> Result<Option<Record>, Fenced> {
-    match existing {
-        Some(r) if !r.is_expired(now) => match r.state {
-            State::InProgress { token: owner, .. } if owner == token => {
-                Ok(outcome.map(|(outcome, ttl)| Record {
-                    fingerprint: r.fingerprint,
-                    created_at: now,
-                    expires_at: now.after(ttl),
-                    state: match outcome {
-                        Outcome::Completed(b) => State::Completed { result: b.to_vec() },
-                        Outcome::Failed(b) => State::Failed { error: b.to_vec() },
-                    },
-                }))
-            }
-            _ => Err(Fenced::LostLease),
-        },
-        _ => Err(Fenced::LostLease),
-    }
+    let owned = match existing {
+        Some(r) if !r.is_expired(now) => {
+            matches!(r.state, State::InProgress { token: owner, .. } if owner == token)
+        }
+        _ => false,
+    };
+    let Some(r) = existing.filter(|_| owned) else {
+        return Err(Fenced::LostLease);
+    };
+    Ok(match write {
+        OwnerWrite::Complete { outcome, ttl } => Some(Record {
+            fingerprint: r.fingerprint,
+            created_at: now,
+            expires_at: now.after(ttl),
+            state: match outcome {
+                Outcome::Completed(b) => State::Completed { result: b.to_vec() },
+                Outcome::Failed(b) => State::Failed { error: b.to_vec() },
+            },
+        }),
+        OwnerWrite::Renew { lease, ttl } => {
+            Some(in_progress(r.fingerprint, token, now, lease, ttl))
+        }
+        OwnerWrite::Release => None,
+    })
 }
 
-/// A claim decided by a server's clock, as the caller needs it: a `Busy` lease end is
-/// moved from the server's clock (`server_now`) to this process's clock, the one a
-/// waiting call sleeps by, so clock skew does not stretch or shorten the wait.
+/// A claim decided by a server's clock, as the caller needs it: a `Busy` lease end (and
+/// an `Abandoned` record's expiry) is moved from the server's clock (`server_now`) to
+/// this process's clock, the one a waiting call sleeps by, so clock skew does not
+/// stretch or shorten the wait.
 #[cfg(any(feature = "postgres", feature = "redis"))]
 pub(crate) fn in_local_clock(claim: Claim, server_now: Timestamp) -> Claim {
+    let local = |t: Timestamp| Timestamp::now().after(t.remaining(server_now));
     match claim {
         Claim::Busy { lease_until } => Claim::Busy {
-            lease_until: Timestamp::now().after(lease_until.remaining(server_now)),
+            lease_until: local(lease_until),
+        },
+        Claim::Abandoned { expires_at } => Claim::Abandoned {
+            expires_at: local(expires_at),
         },
         claim => claim,
     }

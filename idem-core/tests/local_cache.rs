@@ -46,6 +46,15 @@ impl Store for Counted {
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
         self.store.release(key, token).await
     }
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        self.store.renew(key, token, lease, ttl).await
+    }
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         self.store.get(key).await
     }

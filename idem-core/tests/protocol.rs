@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::store::{ClaimRequest, Store};
+use idem_core::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
 use idem_core::{
-    current_key, execute, execute_blocking, CacheErrors, Call, Error, Fingerprint, KeyParts,
+    current_key, execute, execute_blocking, CacheErrors, Call, Error, Fingerprint, Key, KeyParts,
     MemoryStore, Options, ReleaseErrors, Run, SledStore, State, Token,
 };
 use serde::{Deserialize, Serialize};
@@ -319,12 +319,48 @@ async fn expired_lease_reruns_or_is_outcome_unknown() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A memory store whose renewals never reach it, as if a network partition cut the
+/// owner off from the store while its body ran.
+#[derive(Clone, Default)]
+struct RenewalsLost(MemoryStore);
+
+#[async_trait::async_trait]
+impl Store for RenewalsLost {
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        self.0.claim(key, request).await
+    }
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        self.0.complete(key, token, outcome, ttl).await
+    }
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        self.0.release(key, token).await
+    }
+    async fn renew(&self, _: &Key, _: Token, _: Duration, _: Duration) -> Result<Fenced, Error> {
+        Err(Error::store("partitioned", "no route to the store"))
+    }
+    async fn get(&self, key: &Key) -> Result<Option<idem_core::Record>, Error> {
+        self.0.get(key).await
+    }
+    async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        self.0.delete(key).await
+    }
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        self.0.purge_expired().await
+    }
+}
+
 #[tokio::test]
 async fn stale_owner_cannot_overwrite_the_new_owners_result() {
-    let store = MemoryStore::new();
-    let run = Run::new("run-fence").with_store(store.clone());
+    let run = Run::new("run-fence").with_store(RenewalsLost::default());
     let short = Options::new().lease(Duration::from_millis(100));
-    // The stale owner outlives its lease; a retry takes over and completes first.
+    // The owner's renewals cannot reach the store, so its claim runs out while it runs;
+    // a retry takes over and completes first.
     let stale = execute::<Result<String, Error>, ReleaseErrors, _>(
         Call::new(Some(&run), "tool", short, &1),
         async {

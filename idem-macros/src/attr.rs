@@ -12,12 +12,24 @@ pub struct DurationArg {
     pub millis: u64,
 }
 
+/// What happens to a running body whose caller stops waiting.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum OnCancel {
+    /// It runs on in a task of its own, and its outcome is recorded.
+    Finish,
+    /// It is dropped with the call, and its claim settled by the delivery policy.
+    Abort,
+}
+
 /// The attribute's options, as written.
 #[derive(Default)]
 pub struct Args {
     pub ttl: Option<DurationArg>,
     pub lease: Option<DurationArg>,
     pub wait: Option<DurationArg>,
+    pub max_run: Option<DurationArg>,
+    /// `on_cancel = "finish" | "abort"`, with the literal for error spans.
+    pub on_cancel: Option<(OnCancel, LitStr)>,
     pub fail_fast: Option<Span>,
     pub at_most_once: bool,
     pub cache_errors: bool,
@@ -30,8 +42,8 @@ pub struct Args {
     pub run: Option<Expr>,
 }
 
-const OPTIONS: &str = "ttl, lease, wait, fail_fast, at_most_once, cache_errors, name, key, skip, \
-                       run, map_error, crate";
+const OPTIONS: &str = "ttl, lease, wait, max_run, on_cancel, fail_fast, at_most_once, \
+                       cache_errors, name, key, skip, run, map_error, crate";
 
 impl Parse for Args {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
@@ -57,6 +69,23 @@ impl Parse for Args {
                 "ttl" => args.ttl = Some(duration_value(input)?),
                 "lease" => args.lease = Some(duration_value(input)?),
                 "wait" => args.wait = Some(duration_value(input)?),
+                "max_run" => args.max_run = Some(duration_value(input)?),
+                "on_cancel" => {
+                    let lit: LitStr = value(input)?;
+                    let choice = match lit.value().as_str() {
+                        "finish" => OnCancel::Finish,
+                        "abort" => OnCancel::Abort,
+                        _ => {
+                            return Err(syn::Error::new_spanned(
+                                &lit,
+                                "expected `on_cancel = \"finish\"` (the body runs on after its caller \
+                                 stops waiting, and its outcome is recorded) or `on_cancel = \"abort\"` \
+                                 (the body is dropped with the call, and its claim settled at once)",
+                            ))
+                        }
+                    };
+                    args.on_cancel = Some((choice, lit));
+                }
                 "fail_fast" => args.fail_fast = Some(name.span()),
                 "at_most_once" => args.at_most_once = true,
                 "cache_errors" => args.cache_errors = true,

@@ -28,6 +28,7 @@ use syn::spanned::Spanned;
 use syn::{Block, Expr, FnArg, Ident, ItemFn, Pat, ReturnType, Stmt, Type};
 
 use crate::attr::{key_root, Args};
+use crate::cancel;
 
 /// How an argument takes part in the call.
 enum Role {
@@ -149,29 +150,59 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         }
     };
     let call_ident = format_ident!("__idem_call");
+    let explicit = args
+        .on_cancel
+        .as_ref()
+        .map(|(choice, lit)| (*choice, lit.span()));
+    // Which runtime call: one that finishes a body its caller stopped waiting for, or one
+    // that settles its claim at once.
+    let execute = |owned: &Option<cancel::Owned>| match owned {
+        Some(_) => quote!(#private::execute_finishing),
+        None => quote!(#private::execute),
+    };
 
     if func.sig.asyncness.is_some() {
-        let block = &func.block;
+        let mut block = (*func.block).clone();
+        let owned = cancel::decide(&func, &block, explicit)?;
+        let (prelude, reborrow) = owned_parts(&owned, &mut block);
+        let execute = execute(&owned);
         let body = finish(quote_spanned!(ret.span()=>
-            #private::execute::<#ret, #policy, _>(#call_ident, async move #block).await
+            #execute::<#ret, #policy, _>(#call_ident, async move { #(#reborrow)* #block }).await
         ));
         *func.block = syn::parse_quote!({
             #run_source
             let #call_ident = #call;
+            #(#prelude)*
             #body
         });
     } else if let Some(inner) = boxed_async_block(&mut func.block) {
         // `Box::pin(async move { .. })` from another attribute: wrap the inner block.
-        let stmts = std::mem::take(&mut inner.stmts);
+        let mut block = Block {
+            brace_token: inner.brace_token,
+            stmts: std::mem::take(&mut inner.stmts),
+        };
+        let owned = cancel::decide(&func_without_body(&func), &block, explicit)?;
+        let (prelude, reborrow) = owned_parts(&owned, &mut block);
+        let execute = execute(&owned);
+        let stmts = &block.stmts;
         let body = finish(quote!(
-            #private::execute::<_, #policy, _>(#call_ident, async move { #(#stmts)* }).await
+            #execute::<_, #policy, _>(#call_ident, async move { #(#reborrow)* #(#stmts)* }).await
         ));
+        let inner = boxed_async_block(&mut func.block).expect("found above");
         inner.stmts = syn::parse_quote!(
             #run_source
             let #call_ident = #call;
+            #(#prelude)*
             #body
         );
     } else {
+        if let Some((_, lit)) = &args.on_cancel {
+            return Err(syn::Error::new_spanned(
+                lit,
+                "`on_cancel` is for async tools: a sync tool's body runs on its caller's thread, \
+                 and always finishes",
+            ));
+        }
         let block = &func.block;
         let body = finish(quote_spanned!(ret.span()=>
             #private::execute_blocking::<#ret, #policy, _>(#call_ident, move || #block)
@@ -183,6 +214,33 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         });
     }
     Ok(quote!(#func))
+}
+
+/// What a finishing body adds: the copies made before the call, and the reborrows at the
+/// top of the body (whose `self` is rewritten when it runs on a clone).
+fn owned_parts(
+    owned: &Option<cancel::Owned>,
+    block: &mut Block,
+) -> (Vec<TokenStream>, Vec<TokenStream>) {
+    match owned {
+        Some(owned) => {
+            if owned.rewrite_self {
+                cancel::rewrite_self(block);
+            }
+            (owned.prelude.clone(), owned.reborrow.clone())
+        }
+        None => (Vec::new(), Vec::new()),
+    }
+}
+
+/// `func` with an empty body: its signature, for deciding about a body kept elsewhere.
+fn func_without_body(func: &ItemFn) -> ItemFn {
+    ItemFn {
+        attrs: Vec::new(),
+        vis: func.vis.clone(),
+        sig: func.sig.clone(),
+        block: Box::new(syn::parse_quote!({})),
+    }
 }
 
 /// Sorts the arguments into run, inputs and skipped, checking `skip` and `key`.
@@ -325,6 +383,10 @@ fn options(args: &Args, private: &TokenStream) -> TokenStream {
     }
     if args.at_most_once {
         options = quote!(#options.at_most_once());
+    }
+    if let Some(max_run) = &args.max_run {
+        let d = millis(max_run.millis);
+        options = quote!(#options.max_run(#d));
     }
     options
 }

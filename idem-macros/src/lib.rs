@@ -4,12 +4,14 @@
 //!
 //! - `attr.rs` parses and checks the options (a bad one is a compile error at its token),
 //! - `duration.rs` parses duration literals (`"24h"`, `"1h30m"`),
+//! - `cancel.rs` decides what a call dropped by its caller does (finish or settle),
 //! - `expand.rs` emits the wrapped function.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod attr;
+mod cancel;
 mod duration;
 mod expand;
 

@@ -298,6 +298,16 @@ impl<S: Store> Store for LocalCache<S> {
         fenced
     }
 
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        self.inner.renew(key, token, lease, ttl).await
+    }
+
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         self.inner.get(key).await
     }

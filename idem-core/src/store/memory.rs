@@ -9,7 +9,8 @@ use async_trait::async_trait;
 
 use crate::record::{Record, State, Timestamp, Token};
 use crate::store::{
-    decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, Store,
+    decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, OwnerWrite,
+    Store,
 };
 use crate::{blocking, Error, Fingerprint, Key};
 
@@ -85,9 +86,14 @@ impl MemoryStore {
         &self.shards[(mixed >> (64 - SHARDS.trailing_zeros())) as usize]
     }
 
-    fn fenced(&self, key: &Key, token: Token, outcome: Option<(Outcome<'_>, Duration)>) -> Fenced {
+    fn fenced(&self, key: &Key, token: Token, owner_write: OwnerWrite<'_>) -> Fenced {
         let mut map = write(self.shard(key));
-        match decide_fenced(map.get(key).map(|r| &**r), token, outcome, Timestamp::now()) {
+        match decide_fenced(
+            map.get(key).map(|r| &**r),
+            token,
+            owner_write,
+            Timestamp::now(),
+        ) {
             Ok(Some(record)) => {
                 map.insert(key.clone(), Arc::new(record));
                 Fenced::Applied
@@ -140,11 +146,21 @@ impl Store for MemoryStore {
         outcome: Outcome<'_>,
         ttl: Duration,
     ) -> Result<Fenced, Error> {
-        Ok(self.fenced(key, token, Some((outcome, ttl))))
+        Ok(self.fenced(key, token, OwnerWrite::Complete { outcome, ttl }))
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
-        Ok(self.fenced(key, token, None))
+        Ok(self.fenced(key, token, OwnerWrite::Release))
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        Ok(self.fenced(key, token, OwnerWrite::Renew { lease, ttl }))
     }
 
     fn with_completed_result(

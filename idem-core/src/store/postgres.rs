@@ -47,7 +47,7 @@
 //!
 //!   ```sql
 //!   INSERT INTO idem_records AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at)
-//!   VALUES ($1, $2, 0, $3, now() + $4 ms, NULL, now(), now() + $5 ms)
+//!   VALUES ($1, $2, 0, $3, now() + $4 ms, NULL, now(), now() + $5 ms)  -- $5: lease + TTL
 //!   ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 0, ...
 //!   WHERE r.expires_at <= now()                                  -- expired: absent
 //!      OR (r.fingerprint = EXCLUDED.fingerprint AND (
@@ -62,6 +62,9 @@
 //!   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`.
 //! - **release**: `DELETE .. WHERE key = $1 AND state = 0 AND token = $2 AND
 //!   expires_at > now()`.
+//! - **renew** (a running body's heartbeat): `UPDATE .. SET lease_until = now() +
+//!   lease, expires_at = now() + lease + ttl WHERE key = $1 AND state = 0 AND token =
+//!   $2 AND expires_at > now()`.
 //! - **purge**: batches of at most 10,000 rows, in order of expiry, each one statement:
 //!
 //!   ```sql
@@ -230,6 +233,7 @@ struct Sql {
     claim_fresh: String,
     claim: String,
     complete: String,
+    renew: String,
     release: String,
     delete: String,
     purge: String,
@@ -279,6 +283,11 @@ impl Sql {
                  expires_at = now() + $5::int8 * interval '1 millisecond' \
                  WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
             ),
+            renew: format!(
+                "UPDATE {t} SET lease_until = now() + $3::int8 * interval '1 millisecond', \
+                 expires_at = now() + $4::int8 * interval '1 millisecond' \
+                 WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
+            ),
             release: format!(
                 "DELETE FROM {t} WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
             ),
@@ -300,6 +309,15 @@ impl Sql {
 
 fn pg_error(e: impl std::fmt::Display) -> Error {
     Error::store(STORE, e.to_string())
+}
+
+/// A fenced statement's outcome: it changed the one row, or found no row the caller owns.
+fn fenced(rows: u64) -> Fenced {
+    if rows == 1 {
+        Fenced::Applied
+    } else {
+        Fenced::LostLease
+    }
 }
 
 /// Milliseconds as Postgres' `int8`.
@@ -485,7 +503,11 @@ impl Store for PostgresStore {
         self.bounded(async {
             let client = self.client().await?;
             let token = request.token.0.to_be_bytes();
-            let (lease, ttl) = (millis(request.lease), millis(request.ttl));
+            // The record lives one TTL past the lease.
+            let (lease, ttl) = (
+                millis(request.lease),
+                millis(request.lease.saturating_add(request.ttl)),
+            );
             // `claim_fresh` takes the first five, `claim` all seven.
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
                 &key.as_str(),
@@ -555,11 +577,7 @@ impl Store for PostgresStore {
                 ],
             ))
             .await?;
-        Ok(if n == 1 {
-            Fenced::Applied
-        } else {
-            Fenced::LostLease
-        })
+        Ok(fenced(n))
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
@@ -567,11 +585,29 @@ impl Store for PostgresStore {
         let n = self
             .bounded(self.modified(&self.inner.sql.release, &[&key.as_str(), &token.as_slice()]))
             .await?;
-        Ok(if n == 1 {
-            Fenced::Applied
-        } else {
-            Fenced::LostLease
-        })
+        Ok(fenced(n))
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let token = token.0.to_be_bytes();
+        let n = self
+            .bounded(self.modified(
+                &self.inner.sql.renew,
+                &[
+                    &key.as_str(),
+                    &token.as_slice(),
+                    &millis(lease),
+                    &millis(lease.saturating_add(ttl)),
+                ],
+            ))
+            .await?;
+        Ok(fenced(n))
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {

@@ -21,7 +21,9 @@
 //!   compared with the server clock. Taking over an abandoned claim or retrying a
 //!   cached error is one more step: a script that replaces the record only if it is
 //!   still, byte for byte, the one read; otherwise the claim starts again.
-//! - **Complete** and **release**: one Lua script each, fenced by the owner's token.
+//! - **Complete**, **renew** and **release**: one Lua script each, fenced by the
+//!   owner's token. A renewal rewrites the claim as if stored now (its times count from
+//!   0 again), with the claim's own fingerprint.
 //!   A miss is the claim plus a completion: two round trips, one of them a script.
 //! - **Get** is that `GET`, `PTTL`, `TIME` transaction; **delete** is `DEL`.
 //!
@@ -82,9 +84,10 @@ return 1",
     ))
 }
 
-/// KEYS[1] key; ARGV token, the outcome record's header (`Record::encode` of the
-/// outcome with an empty payload), payload, ttl ms. Writes the header with the claim's
-/// fingerprint, then the payload. Returns 1 if applied.
+/// KEYS[1] key; ARGV token, the new record's header (`Record::encode` of the outcome
+/// with an empty payload, or of the renewed claim), payload (empty for a renewal), ttl
+/// ms. Writes the header with the claim's fingerprint, then the payload. Returns 1 if
+/// applied.
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     as_owner(&format!(
         "redis.call('SET', KEYS[1], string.sub(ARGV[2], 1, {f0}) .. string.sub(v, {f1}, {f2})
@@ -414,7 +417,8 @@ impl std::fmt::Debug for RedisStore {
 #[async_trait]
 impl Store for RedisStore {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
-        let ttl = px(request.ttl);
+        // The record lives one TTL past the lease.
+        let ttl = px(request.lease.saturating_add(request.ttl));
         let claim = Record {
             fingerprint: request.fingerprint,
             created_at: Timestamp(0),
@@ -503,6 +507,33 @@ impl Store for RedisStore {
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
         let token = token.0.to_be_bytes();
         let applied: i64 = self.script(&RELEASE, key, &[&token]).await?;
+        Ok(fenced(applied))
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let px = px(lease.saturating_add(ttl));
+        // The whole claim, as if stored now; the script puts the claim's fingerprint in.
+        let claim = Record {
+            fingerprint: Fingerprint::from_bytes([0; 32]),
+            created_at: Timestamp(0),
+            expires_at: Timestamp(px),
+            state: State::InProgress {
+                token,
+                lease_until: Timestamp(millis(lease).min(px - 1)),
+            },
+        }
+        .encode();
+        let px = px.to_string();
+        let token = token.0.to_be_bytes();
+        let applied: i64 = self
+            .script(&COMPLETE, key, &[&token, &claim, b"", px.as_bytes()])
+            .await?;
         Ok(fenced(applied))
     }
 

@@ -30,7 +30,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::record::{Record, Timestamp, Token};
-use crate::store::{decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::store::{
+    decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, OwnerWrite, Store,
+};
 use crate::{blocking, Error, Fingerprint, Key};
 
 /// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
@@ -229,19 +231,22 @@ impl SledStore {
         }
     }
 
+    /// A fenced write; flushed unless `durable` is false (renewals, which a crash may
+    /// lose without harm: see [`Store::renew`]).
     async fn fenced(
         &self,
         key: &Key,
         token: Token,
-        outcome: Option<(Outcome<'_>, Duration)>,
+        owner_write: OwnerWrite<'_>,
+        durable: bool,
     ) -> Result<Fenced, Error> {
         let (fenced, wrote) = self.update(key, |current, now| {
-            match decide_fenced(current, token, outcome, now) {
+            match decide_fenced(current, token, owner_write, now) {
                 Ok(write) => (Fenced::Applied, Some(write)),
                 Err(lost) => (lost, None),
             }
         })?;
-        if wrote {
+        if wrote && durable {
             self.flush().await?;
         }
         Ok(fenced)
@@ -452,11 +457,26 @@ impl Store for SledStore {
         outcome: Outcome<'_>,
         ttl: Duration,
     ) -> Result<Fenced, Error> {
-        self.fenced(key, token, Some((outcome, ttl))).await
+        self.fenced(key, token, OwnerWrite::Complete { outcome, ttl }, true)
+            .await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
-        self.fenced(key, token, None).await
+        self.fenced(key, token, OwnerWrite::Release, true).await
+    }
+
+    /// Not flushed: a renewal lost in a crash only shortens a dead process's lease.
+    /// (A zero-lease renewal, which gives a claim up, is flushed: it answers retries.)
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let durable = lease.is_zero();
+        self.fenced(key, token, OwnerWrite::Renew { lease, ttl }, durable)
+            .await
     }
 
     fn max_result_bytes(&self) -> usize {

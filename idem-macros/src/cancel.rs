@@ -1,0 +1,343 @@
+//! What a call does when its caller stops waiting: whether the body can run on by
+//! itself (it owns everything it uses), and, when the user asks it to finish, making it
+//! own what it borrows.
+//!
+//! The decision is made on the signature and the body's tokens, since a macro sees no
+//! types: a body finishes by default when nothing it uses can borrow from the caller (a
+//! reference, a lifetime, `impl Trait`, a generic parameter, `Self`), and neither can
+//! its return type. `on_cancel = "finish"` also finishes a body that uses `&self` or a
+//! `&T` argument: it runs on a clone of `self` (`Self: Clone`) and on owned copies of
+//! those arguments (`T: ToOwned`), reborrowed under the same names.
+
+use proc_macro2::{Ident, Span, TokenStream, TokenTree};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::visit::Visit;
+use syn::visit_mut::VisitMut;
+use syn::{Block, FnArg, ItemFn, Pat, ReturnType, Type};
+
+use crate::attr::OnCancel;
+
+/// What the expansion adds for a body that finishes on its own.
+#[derive(Default)]
+pub struct Owned {
+    /// Before the call: owned copies of what the body borrows.
+    pub prelude: Vec<TokenStream>,
+    /// At the top of the body: the names it used, reborrowed from the copies.
+    pub reborrow: Vec<TokenStream>,
+    /// Whether `self` in the body must be rewritten to the reborrowed clone.
+    pub rewrite_self: bool,
+}
+
+/// The ident `self` is rewritten to, in a body that runs on a clone of `self`.
+pub const SELF: &str = "__idem_self";
+
+/// Decides what a dropped call of `func` does: `Ok(None)` to abort, `Ok(Some(owned))`
+/// to finish with what `owned` adds. `explicit` is the user's `on_cancel`, if any.
+pub fn decide(
+    func: &ItemFn,
+    body: &Block,
+    explicit: Option<(OnCancel, Span)>,
+) -> syn::Result<Option<Owned>> {
+    let generics: Vec<Ident> = func
+        .sig
+        .generics
+        .type_params()
+        .map(|p| p.ident.clone())
+        .collect();
+    let used = Mentions::of(body);
+    match explicit {
+        Some((OnCancel::Abort, _)) => Ok(None),
+        None => {
+            let borrows = receiver_used(func, &used)
+                || typed_args(func).any(|(pat, ty)| {
+                    may_borrow(ty, &generics) && bound_names(pat).iter().any(|n| used.has(n))
+                })
+                || matches!(&func.sig.output, ReturnType::Type(_, ty) if may_borrow(ty, &generics));
+            Ok((!borrows).then(Owned::default))
+        }
+        Some((OnCancel::Finish, span)) => make_owned(func, &used, span).map(Some),
+    }
+}
+
+/// For `on_cancel = "finish"`: owned copies of the `&self` and `&T` arguments the body
+/// uses; an error for what cannot be copied (`&mut`).
+fn make_owned(func: &ItemFn, used: &Mentions, span: Span) -> syn::Result<Owned> {
+    let mut owned = Owned::default();
+    if let Some(receiver) = func.sig.receiver() {
+        if used.has_self && receiver.reference.is_some() {
+            if receiver.mutability.is_some() {
+                let mut err = syn::Error::new(
+                    span,
+                    "`on_cancel = \"finish\"` runs the body after its caller has gone, so it cannot \
+                     use `&mut self`; use `on_cancel = \"abort\"`",
+                );
+                err.combine(syn::Error::new_spanned(receiver, "borrowed mutably here"));
+                return Err(err);
+            }
+            let name = Ident::new(SELF, Span::call_site());
+            owned.prelude.push(
+                quote_spanned!(receiver.span()=> let #name = ::core::clone::Clone::clone(self);),
+            );
+            owned.reborrow.push(quote!(let #name = &#name;));
+            owned.rewrite_self = true;
+        }
+    }
+    for (pat, ty) in typed_args(func) {
+        let Type::Reference(reference) = ty else {
+            continue;
+        };
+        let names = bound_names(pat);
+        if !names.iter().any(|n| used.has(n)) {
+            continue;
+        }
+        let Pat::Ident(ident) = pat else {
+            return Err(syn::Error::new_spanned(
+                pat,
+                "`on_cancel = \"finish\"` needs to own this argument: give it a name instead of a pattern",
+            ));
+        };
+        if reference.mutability.is_some() {
+            let mut err = syn::Error::new(
+                span,
+                "`on_cancel = \"finish\"` runs the body after its caller has gone, so it cannot \
+                 borrow an argument mutably; use `on_cancel = \"abort\"`",
+            );
+            err.combine(syn::Error::new_spanned(reference, "borrowed mutably here"));
+            return Err(err);
+        }
+        let name = &ident.ident;
+        let copy = format_ident!("__idem_owned_{}", name);
+        let elem = &reference.elem;
+        owned
+            .prelude
+            .push(quote_spanned!(ty.span()=> let #copy = ::std::borrow::ToOwned::to_owned(#name);));
+        owned.reborrow.push(
+            quote_spanned!(ty.span()=> let #name: &#elem = ::core::borrow::Borrow::borrow(&#copy);),
+        );
+    }
+    Ok(owned)
+}
+
+/// Rewrites `self` in `block` to the reborrowed clone (see [`make_owned`]).
+pub fn rewrite_self(block: &mut Block) {
+    ReplaceSelf.visit_block_mut(block);
+}
+
+struct ReplaceSelf;
+
+impl VisitMut for ReplaceSelf {
+    fn visit_expr_path_mut(&mut self, expr: &mut syn::ExprPath) {
+        if expr.qself.is_none() && expr.path.is_ident("self") {
+            let span = expr.path.segments[0].ident.span();
+            expr.path.segments[0].ident = Ident::new(SELF, span);
+        }
+        syn::visit_mut::visit_expr_path_mut(self, expr);
+    }
+
+    fn visit_macro_mut(&mut self, mac: &mut syn::Macro) {
+        mac.tokens = replace_self_tokens(std::mem::take(&mut mac.tokens));
+    }
+
+    // A nested item has a `self` of its own.
+    fn visit_item_mut(&mut self, _: &mut syn::Item) {}
+}
+
+/// `self` in a macro's tokens, except as the start of a path (`self::module`).
+fn replace_self_tokens(tokens: TokenStream) -> TokenStream {
+    let trees: Vec<TokenTree> = tokens.into_iter().collect();
+    let mut out = Vec::with_capacity(trees.len());
+    for (i, tree) in trees.iter().enumerate() {
+        out.push(match tree {
+            TokenTree::Ident(ident) if ident == "self" => {
+                let path =
+                    matches!(trees.get(i + 1), Some(TokenTree::Punct(p)) if p.as_char() == ':');
+                if path {
+                    tree.clone()
+                } else {
+                    TokenTree::Ident(Ident::new(SELF, ident.span()))
+                }
+            }
+            TokenTree::Group(group) => {
+                let mut inner =
+                    proc_macro2::Group::new(group.delimiter(), replace_self_tokens(group.stream()));
+                inner.set_span(group.span());
+                TokenTree::Group(inner)
+            }
+            other => other.clone(),
+        });
+    }
+    out.into_iter().collect()
+}
+
+/// The typed arguments: pattern and type.
+fn typed_args(func: &ItemFn) -> impl Iterator<Item = (&Pat, &Type)> {
+    func.sig.inputs.iter().filter_map(|arg| match arg {
+        FnArg::Typed(typed) => Some((&*typed.pat, &*typed.ty)),
+        FnArg::Receiver(_) => None,
+    })
+}
+
+/// Whether the body uses the receiver: any receiver may borrow from the caller (`Self`
+/// may itself hold a lifetime).
+fn receiver_used(func: &ItemFn, used: &Mentions) -> bool {
+    func.sig.receiver().is_some() && used.has_self
+}
+
+/// The names a pattern binds.
+fn bound_names(pat: &Pat) -> Vec<Ident> {
+    struct Names(Vec<Ident>);
+    impl<'a> Visit<'a> for Names {
+        fn visit_pat_ident(&mut self, p: &'a syn::PatIdent) {
+            self.0.push(p.ident.clone());
+            syn::visit::visit_pat_ident(self, p);
+        }
+    }
+    let mut names = Names(Vec::new());
+    names.visit_pat(pat);
+    names.0
+}
+
+/// Whether a value of type `ty` may borrow from the caller.
+fn may_borrow(ty: &Type, generics: &[Ident]) -> bool {
+    struct Borrows<'g> {
+        generics: &'g [Ident],
+        found: bool,
+    }
+    impl<'a> Visit<'a> for Borrows<'_> {
+        fn visit_type_reference(&mut self, reference: &'a syn::TypeReference) {
+            match &reference.lifetime {
+                Some(lifetime) if lifetime.ident == "static" => {
+                    syn::visit::visit_type_reference(self, reference)
+                }
+                _ => self.found = true,
+            }
+        }
+        fn visit_type_impl_trait(&mut self, _: &'a syn::TypeImplTrait) {
+            self.found = true;
+        }
+        fn visit_type_infer(&mut self, _: &'a syn::TypeInfer) {
+            self.found = true;
+        }
+        fn visit_type_macro(&mut self, _: &'a syn::TypeMacro) {
+            self.found = true;
+        }
+        fn visit_lifetime(&mut self, lifetime: &'a syn::Lifetime) {
+            self.found |= lifetime.ident != "static";
+        }
+        fn visit_type_path(&mut self, path: &'a syn::TypePath) {
+            if let Some(first) = path.path.segments.first() {
+                self.found |= first.ident == "Self"
+                    || (path.path.segments.len() == 1 && self.generics.contains(&first.ident));
+            }
+            syn::visit::visit_type_path(self, path);
+        }
+    }
+    let mut visitor = Borrows {
+        generics,
+        found: false,
+    };
+    visitor.visit_type(ty);
+    visitor.found
+}
+
+/// The idents a body mentions, in code and in the inline arguments of format strings
+/// (`"{to}"`): what the body's `async move` block captures, as far as tokens tell.
+struct Mentions {
+    idents: Vec<String>,
+    has_self: bool,
+}
+
+impl Mentions {
+    fn of(body: &Block) -> Mentions {
+        let mut mentions = Mentions {
+            idents: Vec::new(),
+            has_self: false,
+        };
+        mentions.scan(quote!(#body));
+        mentions
+    }
+
+    fn scan(&mut self, tokens: TokenStream) {
+        for tree in tokens {
+            match tree {
+                TokenTree::Ident(ident) => {
+                    let text = ident.to_string();
+                    self.has_self |= text == "self";
+                    self.idents.push(text);
+                }
+                TokenTree::Group(group) => self.scan(group.stream()),
+                TokenTree::Literal(literal) => {
+                    let text = literal.to_string();
+                    // `{name}`, `{name:?}` in a format string.
+                    for piece in text.split('{').skip(1) {
+                        let name: String = piece
+                            .chars()
+                            .take_while(|c| c.is_alphanumeric() || *c == '_')
+                            .collect();
+                        if !name.is_empty() {
+                            self.has_self |= name == "self";
+                            self.idents.push(name);
+                        }
+                    }
+                }
+                TokenTree::Punct(_) => {}
+            }
+        }
+    }
+
+    fn has(&self, name: &Ident) -> bool {
+        let name = name.to_string();
+        self.idents.iter().any(|i| *i == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decided(item: &str) -> bool {
+        let func: ItemFn = syn::parse_str(item).unwrap();
+        decide(&func, &func.block, None).unwrap().is_some()
+    }
+
+    #[test]
+    fn bodies_that_own_what_they_use_finish_by_default() {
+        assert!(decided(
+            "async fn f(input: SendEmail) -> Result<Id, E> { send(input) }"
+        ));
+        assert!(decided(
+            "async fn f(run: &Run, n: u32) -> Result<u32, E> { Ok(n) }"
+        ));
+        assert!(decided(
+            "async fn f(&self, n: u32) -> Result<u32, E> { Ok(n) }"
+        ));
+        assert!(decided(
+            "async fn f(input: Vec<String>) -> Result<&'static str, E> { Ok(\"sent\") }"
+        ));
+    }
+
+    #[test]
+    fn bodies_that_may_borrow_abort_by_default() {
+        for item in [
+            "async fn f(&self, n: u32) -> Result<u32, E> { self.send(n) }",
+            "async fn f(to: &str) -> Result<u32, E> { send(to) }",
+            "async fn f(to: &str) -> Result<String, E> { Ok(format!(\"{to}\")) }",
+            "async fn f<T: Serialize>(x: T) -> Result<u32, E> { send(x) }",
+            "async fn f(x: impl Serialize) -> Result<u32, E> { send(x) }",
+            "async fn f<'a>(x: Cow<'a, str>) -> Result<u32, E> { send(x) }",
+            "async fn f(n: u32) -> Result<Cow<'_, str>, E> { todo(n) }",
+        ] {
+            assert!(!decided(item), "{item}");
+        }
+    }
+
+    #[test]
+    fn finish_on_mut_borrows_is_an_error() {
+        let func: ItemFn =
+            syn::parse_str("async fn f(&mut self) -> Result<u32, E> { self.n += 1; Ok(1) }")
+                .unwrap();
+        let explicit = Some((OnCancel::Finish, Span::call_site()));
+        assert!(decide(&func, &func.block, explicit).is_err());
+    }
+}
