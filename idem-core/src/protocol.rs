@@ -329,7 +329,7 @@ where
     R::Ok: Send,
     R::Err: Send,
     C: ErrorPolicy<R::Err> + 'static,
-    Fut: Future<Output = R> + Send + 'static,
+    Fut: FinishesAlone<Output = R>,
 {
     let call = call?;
     let owner = match acquire::<R, C, AsyncPause>(&call).await? {
@@ -348,6 +348,18 @@ where
     }
     .await
 }
+
+/// A body that can go on in a task of its own after its caller stops waiting: `Send`
+/// and `'static`.
+///
+/// The attribute finishes an async tool whose body owns what it uses when its caller
+/// stops waiting (a timeout, `select!`, an aborted task), so that body must be `Send`. A
+/// compile error naming this bound means the body holds something that is not `Send`
+/// (an `Rc`, a `RefCell` borrow, a `MutexGuard` of `std`) across an `.await`: keep it
+/// out of the `.await`s, or write `on_cancel = "abort"` to settle the call's claim when
+/// its caller stops waiting instead.
+pub trait FinishesAlone: Future + Send + 'static {}
+impl<F: Future + Send + 'static> FinishesAlone for F {}
 
 /// An owner's call, run by [`execute_finishing`]: finished in a task of its own if the
 /// caller drops it.

@@ -14,6 +14,11 @@
 //! table, a Redis prefix) can be checked in place. A failed check panics with the
 //! check's name and what it saw. The suite sleeps through a few short leases and TTLs
 //! (a few hundred milliseconds each), so it takes a few seconds.
+//!
+//! Beside the store's own contract, a few checks make whole calls through it: a body
+//! that outlives its lease keeps its claim (the heartbeat renews it), a call dropped by
+//! its caller settles its claim at once, and one that can finish alone answers the
+//! retry with its own result.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -21,8 +26,8 @@ use std::time::Duration;
 
 use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{
-    execute, Call, Error, Fingerprint, Key, Options, Record, ReleaseErrors, Run, State, Timestamp,
-    Token,
+    execute, execute_finishing, Call, Error, Fingerprint, Key, Options, Record, ReleaseErrors, Run,
+    State, Timestamp, Token,
 };
 
 /// The lease and TTL the suite lets expire.
@@ -45,9 +50,16 @@ pub async fn run_all(store: Arc<dyn Store>) {
     completed_result_answers_only_live_completed_records(&*store).await;
     fenced_writes_on_unclaimed_key_are_rejected(&*store).await;
     purge_removes_only_expired(&*store).await;
+    renewal_keeps_a_claim_alive(&*store).await;
+    renewal_is_fenced(&*store).await;
+    zero_lease_renewal_gives_the_claim_up(&*store).await;
+    a_claim_lives_by_its_lease_and_a_result_by_its_ttl(&*store).await;
     concurrent_claims_have_one_winner(store.clone()).await;
     concurrent_takeovers_have_one_winner(store.clone()).await;
-    concurrent_calls_execute_once(store).await;
+    concurrent_calls_execute_once(store.clone()).await;
+    a_live_body_keeps_its_claim_past_its_lease(store.clone()).await;
+    a_dropped_call_settles_its_claim_at_once(store.clone()).await;
+    a_call_that_finishes_alone_answers_the_retry(store).await;
 }
 
 fn unique_key(check: &str) -> Key {
@@ -566,4 +578,315 @@ pub async fn concurrent_calls_execute_once(store: Arc<dyn Store>) {
         values.iter().all(|v| v == "value-0"),
         "callers got different values: {values:?}"
     );
+}
+
+/// Renewals keep a claim alive for as long as they come, well past its first lease;
+/// when they stop, the claim runs out one lease after the last.
+pub async fn renewal_keeps_a_claim_alive(store: &dyn Store) {
+    let name = "renewal_keeps_a_claim_alive";
+    let key = unique_key(name);
+    let owner = request(fp(20), SHORT, LONG);
+    ok(name, store.claim(&key, &owner).await).await;
+    for _ in 0..8 {
+        tokio::time::sleep(SHORT / 3).await;
+        let renewed = ok(name, store.renew(&key, owner.token, SHORT, LONG).await).await;
+        check!(
+            name,
+            renewed == Fenced::Applied,
+            "renew returned {renewed:?}"
+        );
+        let claim = ok(name, store.claim(&key, &request(fp(20), LONG, LONG)).await).await;
+        check!(
+            name,
+            matches!(claim, Claim::Busy { .. }),
+            "claim of a renewed key returned {claim:?}"
+        );
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    let claim = ok(name, store.claim(&key, &request(fp(20), LONG, LONG)).await).await;
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: true },
+        "claim after the renewals stopped returned {claim:?}"
+    );
+}
+
+/// Only the owner renews, only while the key is its claim: a stranger, an owner whose
+/// claim was taken over or completed, or a key nobody claimed get `LostLease`. An owner
+/// whose lease ran out without a takeover gets its claim back.
+pub async fn renewal_is_fenced(store: &dyn Store) {
+    let name = "renewal_is_fenced";
+    let key = unique_key(name);
+    let lost = |what: &str, fenced: Fenced| {
+        check!(
+            name,
+            fenced == Fenced::LostLease,
+            "{what}: renew returned {fenced:?}"
+        )
+    };
+    let nobody = ok(name, store.renew(&key, Token(7), LONG, LONG).await).await;
+    lost("unclaimed key", nobody);
+
+    let owner = request(fp(21), SHORT, LONG);
+    ok(name, store.claim(&key, &owner).await).await;
+    let stranger = ok(
+        name,
+        store
+            .renew(&key, Token(owner.token.0 ^ 1), LONG, LONG)
+            .await,
+    )
+    .await;
+    lost("stranger", stranger);
+    tokio::time::sleep(PAST_SHORT).await;
+    let revived = ok(name, store.renew(&key, owner.token, LONG, LONG).await).await;
+    check!(
+        name,
+        revived == Fenced::Applied,
+        "an owner whose lease ran out unclaimed could not renew: {revived:?}"
+    );
+    let claim = ok(name, store.claim(&key, &request(fp(21), LONG, LONG)).await).await;
+    check!(
+        name,
+        matches!(claim, Claim::Busy { .. }),
+        "claim after the revival returned {claim:?}"
+    );
+
+    let key = unique_key(name);
+    let stale = request(fp(22), SHORT, LONG);
+    ok(name, store.claim(&key, &stale).await).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let fresh = request(fp(22), LONG, LONG);
+    ok(name, store.claim(&key, &fresh).await).await;
+    let late = ok(name, store.renew(&key, stale.token, LONG, LONG).await).await;
+    lost("owner taken over", late);
+    ok(
+        name,
+        store
+            .complete(&key, fresh.token, Outcome::Completed(b"1"), LONG)
+            .await,
+    )
+    .await;
+    let done = ok(name, store.renew(&key, fresh.token, LONG, LONG).await).await;
+    lost("completed key", done);
+    let record = ok(name, store.get(&key).await).await;
+    check!(
+        name,
+        matches!(&record, Some(Record { state: State::Completed { result }, .. }) if result == b"1"),
+        "renewals changed a completed record: {record:?}"
+    );
+}
+
+/// A zero-lease renewal gives the claim up at once: a claim that does not take over
+/// finds it abandoned (until the TTL after it), one that does takes it over.
+pub async fn zero_lease_renewal_gives_the_claim_up(store: &dyn Store) {
+    let name = "zero_lease_renewal_gives_the_claim_up";
+    let key = unique_key(name);
+    let owner = request(fp(23), LONG, LONG);
+    ok(name, store.claim(&key, &owner).await).await;
+    let given_up = ok(
+        name,
+        store.renew(&key, owner.token, Duration::ZERO, LONG).await,
+    )
+    .await;
+    check!(
+        name,
+        given_up == Fenced::Applied,
+        "zero-lease renew returned {given_up:?}"
+    );
+    let mut at_most_once = request(fp(23), LONG, LONG);
+    at_most_once.take_over_expired = false;
+    let claim = ok(name, store.claim(&key, &at_most_once).await).await;
+    let floor = Timestamp::now().after(LONG - Duration::from_secs(60));
+    check!(
+        name,
+        matches!(claim, Claim::Abandoned { expires_at } if expires_at > floor),
+        "at-most-once claim of a claim given up returned {claim:?}"
+    );
+    let claim = ok(name, store.claim(&key, &request(fp(23), LONG, LONG)).await).await;
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: true },
+        "at-least-once claim of a claim given up returned {claim:?}"
+    );
+}
+
+/// A claim lives by its lease, however short its TTL: it is still held (and can be
+/// completed) after the TTL has passed. The result then lives for its TTL from the
+/// completion.
+pub async fn a_claim_lives_by_its_lease_and_a_result_by_its_ttl(store: &dyn Store) {
+    let name = "a_claim_lives_by_its_lease_and_a_result_by_its_ttl";
+    let key = unique_key(name);
+    let owner = request(fp(24), LONG, SHORT);
+    ok(name, store.claim(&key, &owner).await).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let record = ok(name, store.get(&key).await).await;
+    check!(
+        name,
+        matches!(
+            record,
+            Some(Record {
+                state: State::InProgress { .. },
+                ..
+            })
+        ),
+        "a claim past its TTL but within its lease reads as {record:?}"
+    );
+    let claim = ok(name, store.claim(&key, &request(fp(24), LONG, SHORT)).await).await;
+    check!(
+        name,
+        matches!(claim, Claim::Busy { .. }),
+        "a claim past its TTL but within its lease was claimed again: {claim:?}"
+    );
+    let completed = ok(
+        name,
+        store
+            .complete(&key, owner.token, Outcome::Completed(b"\"late\""), SHORT)
+            .await,
+    )
+    .await;
+    check!(
+        name,
+        completed == Fenced::Applied,
+        "completing a claim past its TTL returned {completed:?}"
+    );
+    let claim = ok(name, store.claim(&key, &request(fp(24), LONG, SHORT)).await).await;
+    check!(
+        name,
+        claim == Claim::Completed(b"\"late\"".to_vec()),
+        "claim after completion returned {claim:?}"
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+    let record = ok(name, store.get(&key).await).await;
+    check!(
+        name,
+        record.is_none(),
+        "a result past its TTL from completion reads as {record:?}"
+    );
+}
+
+/// A run of its own on `store`.
+fn run_on(store: &Arc<dyn Store>, check: &str) -> Run {
+    Run::new(unique_key(check).to_string()).with_shared_store(store.clone())
+}
+
+/// A call whose body runs four times its lease keeps its claim throughout: fail-fast
+/// duplicates get `InProgress`, the body runs once, and its caller gets its value.
+pub async fn a_live_body_keeps_its_claim_past_its_lease(store: Arc<dyn Store>) {
+    let name = "a_live_body_keeps_its_claim_past_its_lease";
+    let run = run_on(&store, name);
+    let options = Options::new().lease(SHORT);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let call = |options: Options, runs: Arc<AtomicUsize>| {
+        execute::<Result<String, Error>, ReleaseErrors, _>(
+            Call::new(Some(&run), "conformance_slow", options, &"input"),
+            async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(SHORT * 4).await;
+                Ok(format!("value-{n}"))
+            },
+        )
+    };
+    let owner = call(options, runs.clone());
+    let duplicates = async {
+        let mut answers = Vec::new();
+        for _ in 0..3 {
+            tokio::time::sleep(SHORT).await;
+            answers.push(call(options.fail_fast(), runs.clone()).await);
+        }
+        answers
+    };
+    let (owner, duplicates) = tokio::join!(owner, duplicates);
+    check!(
+        name,
+        matches!(&owner, Ok(Ok(v)) if v == "value-0"),
+        "the owner got {owner:?}"
+    );
+    for answer in duplicates {
+        check!(
+            name,
+            matches!(answer, Err(Error::InProgress { .. })),
+            "a duplicate during the body got {answer:?}"
+        );
+    }
+    let executions = runs.load(Ordering::SeqCst);
+    check!(name, executions == 1, "the body ran {executions} times");
+}
+
+/// A call dropped by its caller mid-body settles its claim at once: at-least-once, a
+/// retry runs at once; at-most-once, a retry gets `OutcomeUnknown` at once. Neither
+/// waits out the hour-long lease.
+pub async fn a_dropped_call_settles_its_claim_at_once(store: Arc<dyn Store>) {
+    let name = "a_dropped_call_settles_its_claim_at_once";
+    for options in [Options::new(), Options::new().at_most_once()] {
+        let run = run_on(&store, name);
+        let options = options.lease(LONG);
+        let call = |body: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>| {
+            execute::<Result<String, Error>, ReleaseErrors, _>(
+                Call::new(Some(&run), "conformance_dropped", options, &"input"),
+                body,
+            )
+        };
+        let dropped = tokio::time::timeout(SHORT, call(Box::pin(std::future::pending()))).await;
+        check!(
+            name,
+            dropped.is_err(),
+            "the pending call returned {dropped:?}"
+        );
+        let started = std::time::Instant::now();
+        let retry = tokio::time::timeout(
+            Duration::from_secs(10),
+            call(Box::pin(async { Ok("retried".to_string()) })),
+        )
+        .await;
+        let answered = match options.delivery {
+            crate::Delivery::AtLeastOnce => matches!(&retry, Ok(Ok(Ok(v))) if v == "retried"),
+            crate::Delivery::AtMostOnce => {
+                matches!(retry, Ok(Err(Error::OutcomeUnknown { .. })))
+            }
+        };
+        check!(
+            name,
+            answered,
+            "{:?}: the retry got {retry:?} after {:?}",
+            options.delivery,
+            started.elapsed()
+        );
+    }
+}
+
+/// A call that can run alone, dropped by its caller mid-body, finishes in the
+/// background: the retry waits for it and gets its value, and the body ran once.
+pub async fn a_call_that_finishes_alone_answers_the_retry(store: Arc<dyn Store>) {
+    let name = "a_call_that_finishes_alone_answers_the_retry";
+    let run = run_on(&store, name);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let call = |runs: Arc<AtomicUsize>| {
+        execute_finishing::<Result<String, Error>, ReleaseErrors, _>(
+            Call::new(
+                Some(&run),
+                "conformance_finishing",
+                Options::new().lease(LONG),
+                &"input",
+            ),
+            async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(SHORT * 2).await;
+                Ok(format!("value-{n}"))
+            },
+        )
+    };
+    let dropped = tokio::time::timeout(SHORT / 3, call(runs.clone())).await;
+    check!(
+        name,
+        dropped.is_err(),
+        "the first call returned {dropped:?}"
+    );
+    let retry = tokio::time::timeout(Duration::from_secs(10), call(runs.clone())).await;
+    check!(
+        name,
+        matches!(&retry, Ok(Ok(Ok(v))) if v == "value-0"),
+        "the retry got {retry:?}"
+    );
+    let executions = runs.load(Ordering::SeqCst);
+    check!(name, executions == 1, "the body ran {executions} times");
 }

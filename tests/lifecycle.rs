@@ -1,0 +1,578 @@
+//! A call's life, as an agent that misbehaves sees it: its own timeout drops the call
+//! after the side effect, `select!` loses it, its task is aborted, the body panics,
+//! hangs, or runs longer than its lease or its TTL. Each test counts how often the
+//! side effect really ran, what each caller got, and how long the retry took (a bound
+//! with a wide margin against a 60-second lease, never a tight timing).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem::{idempotent, Error, MemoryStore, Run};
+
+/// Far below the 60-second leases of these tools: a retry that took longer waited one
+/// out.
+const PROMPT: Duration = Duration::from_secs(5);
+
+/// The provider's side: every delivery really happens, and is counted.
+#[derive(Clone, Default)]
+struct Provider(Arc<AtomicUsize>);
+
+impl Provider {
+    fn deliver(&self) -> String {
+        let n = self.0.fetch_add(1, Ordering::SeqCst) + 1;
+        format!("msg-{n}")
+    }
+    fn delivered(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+fn run() -> Run {
+    Run::new("agent-run").with_store(MemoryStore::new())
+}
+
+/// The email goes out at once; the provider's answer takes `respond_after`.
+#[idempotent(lease = "60s", skip = [provider])]
+async fn send_email(
+    provider: Provider,
+    to: String,
+    respond_after: Duration,
+) -> Result<String, Error> {
+    let id = provider.deliver();
+    tokio::time::sleep(respond_after).await;
+    Ok(id)
+}
+
+#[tokio::test]
+async fn a_call_dropped_by_the_agents_timeout_finishes_and_the_retry_gets_its_result() {
+    let (run, provider) = (run(), Provider::default());
+    let call = || {
+        send_email(
+            provider.clone(),
+            "ada@example.com".into(),
+            Duration::from_secs(1),
+        )
+    };
+
+    let first = tokio::time::timeout(Duration::from_millis(200), run.scope(call())).await;
+    assert!(first.is_err(), "the agent's timeout fired: {first:?}");
+    assert_eq!(
+        provider.delivered(),
+        1,
+        "the email went out before the timeout"
+    );
+
+    let started = Instant::now();
+    let retry = tokio::time::timeout(Duration::from_secs(30), run.scope(call())).await;
+    let waited = started.elapsed();
+    assert_eq!(
+        retry.unwrap().unwrap(),
+        "msg-1",
+        "the retry gets the first message id"
+    );
+    assert!(waited < PROMPT, "the retry waited {waited:?}");
+    assert_eq!(provider.delivered(), 1, "one email delivered");
+}
+
+#[tokio::test]
+async fn retries_with_short_timeouts_of_their_own_get_the_first_result() {
+    // The agent's every attempt gives up after 300 ms; the provider answers after 1 s.
+    let (run, provider) = (run(), Provider::default());
+    let started = Instant::now();
+    let mut attempts = 0;
+    let id = loop {
+        attempts += 1;
+        let call = send_email(
+            provider.clone(),
+            "ada@example.com".into(),
+            Duration::from_secs(1),
+        );
+        match tokio::time::timeout(Duration::from_millis(300), run.scope(call)).await {
+            Ok(answer) => break answer.unwrap(),
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+        assert!(started.elapsed() < PROMPT, "{attempts} attempts, no answer");
+    };
+    assert_eq!(id, "msg-1");
+    assert!(attempts > 1, "the first attempt was meant to time out");
+    assert_eq!(provider.delivered(), 1);
+}
+
+#[tokio::test]
+async fn an_aborted_task_and_a_lost_select_branch_finish_in_the_background() {
+    let (run, provider) = (run(), Provider::default());
+    let call = |to: &str| send_email(provider.clone(), to.into(), Duration::from_millis(500));
+
+    let task = tokio::spawn(run.scope(call("ada@example.com")));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+
+    tokio::select! {
+        _ = run.scope(call("grace@example.com")) => panic!("the select was meant to lose the call"),
+        _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+    }
+    assert_eq!(provider.delivered(), 2);
+
+    let started = Instant::now();
+    let ada = run.scope(call("ada@example.com")).await.unwrap();
+    let grace = run.scope(call("grace@example.com")).await.unwrap();
+    assert!(
+        started.elapsed() < PROMPT,
+        "the retries waited {:?}",
+        started.elapsed()
+    );
+    assert_eq!(provider.delivered(), 2, "no email went out twice");
+    assert_ne!(ada, grace);
+}
+
+/// A body that borrows from its caller (`&Provider`) cannot outlive it.
+#[idempotent(lease = "60s", skip = [provider])]
+async fn send_borrowing(provider: &Provider, to: String) -> Result<String, Error> {
+    let id = provider.deliver();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    Ok(id)
+}
+
+#[idempotent(lease = "60s", at_most_once, skip = [provider])]
+async fn charge_borrowing(provider: &Provider, cents: u64) -> Result<String, Error> {
+    let id = provider.deliver();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    Ok(format!("{id}: {cents}"))
+}
+
+#[tokio::test]
+async fn a_borrowing_body_dropped_settles_at_once_by_its_delivery_policy() {
+    let (run, provider) = (run(), Provider::default());
+
+    // At-least-once: the claim is released, so the retry runs at once (the body was
+    // dropped after its side effect, so it has now run twice: the documented cost).
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(send_borrowing(&provider, "ada@example.com".into())),
+    )
+    .await;
+    assert!(dropped.is_err());
+    let started = Instant::now();
+    let retry = run
+        .scope(send_borrowing(&provider, "ada@example.com".into()))
+        .await;
+    assert!(
+        started.elapsed() < PROMPT,
+        "the retry waited {:?}",
+        started.elapsed()
+    );
+    assert_eq!(retry.unwrap(), "msg-2");
+    assert_eq!(provider.delivered(), 2);
+
+    // At-most-once: recorded as outcome-unknown, so the retry is told so at once.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(charge_borrowing(&provider, 500)),
+    )
+    .await;
+    assert!(dropped.is_err());
+    let started = Instant::now();
+    let retry = run.scope(charge_borrowing(&provider, 500)).await;
+    assert!(
+        started.elapsed() < PROMPT,
+        "the retry waited {:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+        "{retry:?}"
+    );
+    assert_eq!(provider.delivered(), 3, "the charge was not run again");
+}
+
+/// A tool object whose methods borrow `self`: `on_cancel = "finish"` runs the body on a
+/// clone of it (a handle: the clone shares the outbox).
+#[derive(Clone, Default)]
+struct Mailer {
+    provider: Provider,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Mailer {
+    #[idempotent(lease = "60s", on_cancel = "finish")]
+    async fn send(&self, to: &str, subject: &str) -> Result<String, Error> {
+        let id = self.provider.deliver();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("{id} to {to}: {subject}"));
+        Ok(id)
+    }
+
+    #[idempotent(lease = "60s")]
+    async fn send_by_default(&self, to: String) -> Result<String, Error> {
+        let id = self.provider.deliver();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(format!("{id} to {to}"))
+    }
+}
+
+#[tokio::test]
+async fn on_cancel_finish_runs_a_method_to_its_end_on_a_clone_of_self() {
+    let (run, mailer) = (run(), Mailer::default());
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(mailer.send("ada", "Hi")),
+    )
+    .await;
+    assert!(dropped.is_err());
+    let retry = run.scope(mailer.send("ada", "Hi")).await.unwrap();
+    assert_eq!(retry, "msg-1");
+    assert_eq!(mailer.provider.delivered(), 1);
+    assert_eq!(
+        *mailer.log.lock().unwrap(),
+        ["msg-1 to ada: Hi"],
+        "the body finished"
+    );
+
+    // Without the option, a method that uses `self` is settled: released, run again.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(mailer.send_by_default("grace".into())),
+    )
+    .await;
+    assert!(dropped.is_err());
+    let retry = run
+        .scope(mailer.send_by_default("grace".into()))
+        .await
+        .unwrap();
+    assert_eq!(retry, "msg-3 to grace");
+}
+
+#[idempotent(lease = "60s", on_cancel = "abort", skip = [provider])]
+async fn send_aborting(provider: Provider, to: String) -> Result<String, Error> {
+    let id = provider.deliver();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    Ok(id)
+}
+
+#[tokio::test]
+async fn on_cancel_abort_settles_an_owned_body_too() {
+    let (run, provider) = (run(), Provider::default());
+    let call = || send_aborting(provider.clone(), "ada@example.com".into());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), run.scope(call()))
+            .await
+            .is_err()
+    );
+    let started = Instant::now();
+    assert_eq!(run.scope(call()).await.unwrap(), "msg-2");
+    assert!(started.elapsed() < PROMPT);
+}
+
+/// Panics on its first run, with a payload the caller must see unchanged.
+#[idempotent(lease = "60s", skip = [provider])]
+async fn flaky_provider(provider: Provider, to: String) -> Result<String, Error> {
+    let id = provider.deliver();
+    if id == "msg-1" {
+        panic!("provider exploded on {to}");
+    }
+    Ok(id)
+}
+
+#[idempotent(lease = "60s", at_most_once, skip = [provider])]
+async fn flaky_charge(provider: Provider, cents: u64) -> Result<String, Error> {
+    let id = provider.deliver();
+    if id == "msg-1" {
+        panic!("provider exploded on {cents}");
+    }
+    Ok(id)
+}
+
+fn panic_message(error: tokio::task::JoinError) -> String {
+    let payload = error.into_panic();
+    match payload.downcast::<String>() {
+        Ok(message) => *message,
+        Err(payload) => payload
+            .downcast::<&str>()
+            .map(|m| m.to_string())
+            .unwrap_or_default(),
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_body_settles_at_once_and_the_panic_reaches_the_caller() {
+    let (run, provider) = (run(), Provider::default());
+    let call = || run.scope(flaky_provider(provider.clone(), "ada".into()));
+    let panicked = tokio::spawn(call()).await.unwrap_err();
+    assert_eq!(panic_message(panicked), "provider exploded on ada");
+    let started = Instant::now();
+    assert_eq!(call().await.unwrap(), "msg-2", "the retry runs at once");
+    assert!(
+        started.elapsed() < PROMPT,
+        "the retry waited {:?}",
+        started.elapsed()
+    );
+
+    let (run, provider) = (self::run(), Provider::default());
+    let call = || run.scope(flaky_charge(provider.clone(), 500));
+    let panicked = tokio::spawn(call()).await.unwrap_err();
+    assert_eq!(panic_message(panicked), "provider exploded on 500");
+    let started = Instant::now();
+    let retry = call().await;
+    assert!(
+        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+        "{retry:?}"
+    );
+    assert!(started.elapsed() < PROMPT);
+    assert_eq!(provider.delivered(), 1);
+}
+
+#[idempotent(lease = "60s", skip = [provider])]
+fn flaky_sync(provider: &Provider, to: String) -> Result<String, Error> {
+    let id = provider.deliver();
+    if id == "msg-1" {
+        panic!("provider exploded on {to}");
+    }
+    Ok(id)
+}
+
+#[test]
+fn a_panicking_sync_body_settles_at_once_and_the_panic_reaches_the_caller() {
+    let (run, provider) = (run(), Provider::default());
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run.sync_scope(|| flaky_sync(&provider, "ada".into()))
+    }))
+    .unwrap_err();
+    assert_eq!(
+        panicked.downcast_ref::<String>().map(String::as_str),
+        Some("provider exploded on ada")
+    );
+    let started = Instant::now();
+    let retry = run.sync_scope(|| flaky_sync(&provider, "ada".into()));
+    assert_eq!(retry.unwrap(), "msg-2");
+    assert!(started.elapsed() < PROMPT);
+}
+
+/// Four times longer than its lease.
+#[idempotent(lease = "300ms", skip = [provider])]
+async fn slow_report(provider: Provider, id: u32) -> Result<String, Error> {
+    let n = provider.deliver();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    Ok(format!("report {id}: {n}"))
+}
+
+#[idempotent(lease = "300ms", fail_fast, skip = [provider])]
+async fn slow_report_fail_fast(provider: Provider, id: u32) -> Result<String, Error> {
+    let n = provider.deliver();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    Ok(format!("report {id}: {n}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_body_longer_than_its_lease_is_never_taken_over() {
+    let (run, provider) = (run(), Provider::default());
+    let call = || run.scope(slow_report(provider.clone(), 7));
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        call().await
+    };
+    let (first, duplicate) = tokio::join!(call(), duplicate);
+    assert_eq!(
+        first.unwrap(),
+        "report 7: msg-1",
+        "the owner kept its claim"
+    );
+    assert_eq!(
+        duplicate.unwrap(),
+        "report 7: msg-1",
+        "the duplicate waited for it"
+    );
+    assert_eq!(provider.delivered(), 1);
+
+    // With `fail_fast`, a duplicate long after the lease is told the key is held.
+    let provider = Provider::default();
+    let call = || run.scope(slow_report_fail_fast(provider.clone(), 8));
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        call().await
+    };
+    let (first, duplicate) = tokio::join!(call(), duplicate);
+    assert!(first.is_ok(), "{first:?}");
+    let error = duplicate.unwrap_err();
+    assert!(matches!(error, Error::InProgress { .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(
+        message.contains("held by another call that is still running") && message.contains("retry"),
+        "the error says what holds the key and what to do: {message}"
+    );
+    assert_eq!(provider.delivered(), 1);
+}
+
+#[idempotent(lease = "300ms", skip = [provider])]
+fn slow_sync_report(provider: &Provider, id: u32) -> Result<String, Error> {
+    let n = provider.deliver();
+    std::thread::sleep(Duration::from_millis(1200));
+    Ok(format!("report {id}: {n}"))
+}
+
+#[test]
+fn a_live_sync_body_longer_than_its_lease_is_never_taken_over() {
+    let (run, provider) = (run(), Provider::default());
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| run.sync_scope(|| slow_sync_report(&provider, 1)));
+        std::thread::sleep(Duration::from_millis(700));
+        let duplicate = run.sync_scope(|| slow_sync_report(&provider, 1));
+        assert_eq!(first.join().unwrap().unwrap(), "report 1: msg-1");
+        assert_eq!(duplicate.unwrap(), "report 1: msg-1");
+    });
+    assert_eq!(provider.delivered(), 1);
+}
+
+#[idempotent(lease = "60s", max_run = "500ms", skip = [provider])]
+async fn hangs_once(provider: Provider, to: String) -> Result<String, Error> {
+    let id = provider.deliver();
+    if id == "msg-1" {
+        std::future::pending::<()>().await;
+    }
+    Ok(id)
+}
+
+#[idempotent(lease = "60s", max_run = "500ms", at_most_once, skip = [provider])]
+async fn charge_hangs(provider: Provider, cents: u64) -> Result<String, Error> {
+    provider.deliver();
+    std::future::pending::<()>().await;
+    Ok(cents.to_string())
+}
+
+#[tokio::test]
+async fn a_hung_body_is_stopped_at_max_run_and_settled() {
+    let (run, provider) = (run(), Provider::default());
+    let started = Instant::now();
+    let hung = run.scope(hangs_once(provider.clone(), "ada".into())).await;
+    let stopped_after = started.elapsed();
+    assert!(
+        matches!(hung, Err(Error::MaxRunExceeded { .. })),
+        "{hung:?}"
+    );
+    assert!(
+        stopped_after >= Duration::from_millis(500) && stopped_after < PROMPT,
+        "stopped after {stopped_after:?}"
+    );
+    let retry = run.scope(hangs_once(provider.clone(), "ada".into())).await;
+    assert_eq!(retry.unwrap(), "msg-2", "released: the retry runs again");
+
+    let started = Instant::now();
+    let hung = run.scope(charge_hangs(provider.clone(), 500)).await;
+    assert!(
+        matches!(hung, Err(Error::MaxRunExceeded { .. })),
+        "{hung:?}"
+    );
+    let retry = run.scope(charge_hangs(provider.clone(), 500)).await;
+    assert!(
+        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+        "{retry:?}"
+    );
+    assert!(started.elapsed() < PROMPT);
+    assert_eq!(provider.delivered(), 3);
+}
+
+/// A notification whose result is kept one second, and whose body takes two.
+#[idempotent(ttl = "1s", lease = "300ms", skip = [provider])]
+async fn notify(provider: Provider, to: String) -> Result<String, Error> {
+    let id = provider.deliver();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    Ok(id)
+}
+
+#[idempotent(ttl = "1ms", skip = [provider])]
+async fn notify_briefly(provider: Provider, to: String) -> Result<String, Error> {
+    let id = provider.deliver();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    Ok(id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_shorter_than_the_body_causes_no_duplicate_and_no_lost_lease() {
+    let (run, provider) = (run(), Provider::default());
+    let call = || run.scope(notify(provider.clone(), "ada".into()));
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        call().await
+    };
+    let (first, duplicate) = tokio::join!(call(), duplicate);
+    assert_eq!(first.unwrap(), "msg-1");
+    assert_eq!(duplicate.unwrap(), "msg-1");
+    assert_eq!(provider.delivered(), 1);
+    // The result lives its TTL from completion, then the key is free again.
+    assert_eq!(call().await.unwrap(), "msg-1");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(call().await.unwrap(), "msg-2");
+
+    let provider = Provider::default();
+    let sent = run
+        .scope(notify_briefly(provider.clone(), "grace".into()))
+        .await;
+    assert_eq!(sent.unwrap(), "msg-1", "a 1 ms TTL is no LostLease");
+}
+
+/// A `tracing` writer that keeps what it is given.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+#[idempotent(name = "export_report", lease = "60s", skip = [provider])]
+async fn export_report(provider: Provider, id: u32) -> Result<String, Error> {
+    let n = provider.deliver();
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    Ok(n)
+}
+
+#[tokio::test]
+async fn a_wait_that_lasts_is_logged_at_info_with_the_tool_the_key_and_the_claims_expiry() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    let (run, provider) = (run(), Provider::default());
+    let call = || run.scope(export_report(provider.clone(), 3));
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        call().await
+    };
+    let (first, duplicate) = tokio::join!(call(), duplicate);
+    assert_eq!(first.unwrap(), duplicate.unwrap());
+
+    let logs = captured.text();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("waiting for another call"))
+        .unwrap_or_else(|| panic!("no wait logged:\n{logs}"));
+    assert!(line.contains(" INFO "), "{line}");
+    assert!(line.contains("tool=export_report"), "{line}");
+    assert!(line.contains("key=export_report."), "{line}");
+    assert!(line.contains("claim_expires_in="), "{line}");
+    assert_eq!(
+        logs.matches("waiting for another call").count(),
+        1,
+        "logged once:\n{logs}"
+    );
+}
