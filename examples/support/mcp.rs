@@ -1,21 +1,27 @@
 //! An MCP server (rmcp) whose side-effecting tool is idempotent. Shared by the
-//! `mcp_server` example (stdio) and the in-memory transport tests.
+//! `mcp_server` (stdio) and `mcp_http` (streamable HTTP) examples and the MCP tests.
 //!
-//! The pattern: `#[idempotent]` above rmcp's `#[tool]`, the run id read from the
-//! request's `_meta["idem/run"]`, the request context skipped from the key.
+//! The pattern: the run id read from the request's `_meta["idem/run"]`, the request
+//! context skipped from the key, and a tool that stops waiting when rmcp cancels the
+//! request (`ctx.ct`: the client sent `notifications/cancelled`, or hung up) while the
+//! idempotent call inside it, `on_cancel = "finish"`, runs to its end and records its
+//! outcome, so the client's retry gets that result and the side effect happens once.
 
 #![allow(dead_code)]
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use idem::{idempotent, Error, Run, Store};
 use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::tool::{schema_for_output, IntoCallToolResult};
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{ContentBlock, ErrorData, IntoContents, ServerCapabilities, ServerConfig};
+use rmcp::model::{CallToolResponse, CallToolResult, ErrorData, ServerCapabilities, ServerConfig};
 use rmcp::schemars::JsonSchema;
 use rmcp::service::RequestContext;
 use rmcp::{tool, tool_handler, tool_router, RoleServer, ServerHandler};
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 
 /// The request `_meta` field that carries the agent's run id. The id must stay the
 /// same across the run's retries, reconnections and server restarts.
@@ -33,18 +39,22 @@ pub struct SendEmail {
     pub body: String,
 }
 
-/// What `send_email` returns, and what idem stores and replays.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// What `send_email` returns, and what idem stores and replays: the tool's structured
+/// content, described by its output schema.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
 pub struct Sent {
+    /// The provider's id of the message.
     pub message_id: String,
+    /// The recipient.
     pub to: String,
 }
 
-impl IntoContents for Sent {
-    fn into_contents(self) -> Vec<ContentBlock> {
-        // Two strings and a derived Serialize: this cannot fail.
-        let json = serde_json::to_string(&self).unwrap_or_default();
-        vec![ContentBlock::text(json)]
+impl IntoCallToolResult for Sent {
+    fn into_call_tool_result(self) -> Result<CallToolResponse, ErrorData> {
+        let value = serde_json::to_value(&self)
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        Ok(CallToolResult::structured(value).into())
     }
 }
 
@@ -53,6 +63,10 @@ impl IntoContents for Sent {
 pub struct Mailer {
     store: Arc<dyn Store>,
     outbox: Arc<Mutex<Vec<SendEmail>>>,
+    /// How long the provider takes to answer after it sent an email.
+    latency: Duration,
+    /// How many emails went out so far, for anyone who waits for one.
+    sent: watch::Sender<usize>,
     tool_router: ToolRouter<Self>,
 }
 
@@ -62,13 +76,27 @@ impl Mailer {
         Mailer {
             store,
             outbox: Arc::default(),
+            latency: Duration::ZERO,
+            sent: watch::Sender::new(0),
             tool_router: Self::tool_router(),
         }
+    }
+
+    /// This server with a provider that answers `latency` after it sent an email.
+    pub fn with_latency(mut self, latency: Duration) -> Self {
+        self.latency = latency;
+        self
     }
 
     /// Every email really sent, in order.
     pub fn outbox(&self) -> Vec<SendEmail> {
         self.outbox.lock().map(|o| o.clone()).unwrap_or_default()
+    }
+
+    /// Waits until at least `n` emails went out.
+    pub async fn sent_at_least(&self, n: usize) {
+        let mut sent = self.sent.subscribe();
+        let _ = sent.wait_for(|sent| *sent >= n).await;
     }
 
     /// The run a request belongs to: `_meta["idem/run"]`, if the client sent one.
@@ -78,26 +106,61 @@ impl Mailer {
     }
 }
 
+impl Mailer {
+    /// The side effect, at most once per run and email. When the request that started
+    /// it is cancelled, it runs on to its end (`on_cancel = "finish"`, on a clone of the
+    /// server: a handle, whose outbox is shared).
+    #[idempotent(
+        name = "send_email",
+        run = self.run_of(&ctx),
+        skip = [ctx],
+        map_error = mcp_error,
+        on_cancel = "finish"
+    )]
+    async fn deliver(
+        &self,
+        email: SendEmail,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<Sent, ErrorData> {
+        let message_id = {
+            let mut outbox = self
+                .outbox
+                .lock()
+                .map_err(|_| ErrorData::internal_error("outbox poisoned", None))?;
+            outbox.push(email.clone());
+            format!("msg-{:04}", outbox.len())
+        };
+        self.sent.send_modify(|sent| *sent += 1);
+        tokio::time::sleep(self.latency).await;
+        Ok(Sent {
+            message_id,
+            to: email.to,
+        })
+    }
+}
+
 #[tool_router]
 impl Mailer {
     /// Send an email. Retrying with the same run id and arguments returns the first
-    /// result without sending again.
-    #[idempotent(name = "send_email", run = self.run_of(&ctx), skip = [ctx], map_error = mcp_error)]
-    #[tool(description = "Send an email. Retries with the same run id and arguments send it once.")]
+    /// result without sending again; so does a retry after the request was lost.
+    #[tool(
+        description = "Send an email. Retries with the same run id (_meta[\"idem/run\"]) and arguments send it once.",
+        annotations(idempotent_hint = true, destructive_hint = false, read_only_hint = false),
+        output_schema = schema_for_output::<Sent>()
+    )]
     async fn send_email(
         &self,
         Parameters(email): Parameters<SendEmail>,
         ctx: RequestContext<RoleServer>,
     ) -> Result<Sent, ErrorData> {
-        let mut outbox = self
-            .outbox
-            .lock()
-            .map_err(|_| ErrorData::internal_error("outbox poisoned", None))?;
-        outbox.push(email.clone());
-        Ok(Sent {
-            message_id: format!("msg-{:04}", outbox.len()),
-            to: email.to,
-        })
+        let cancelled = ctx.ct.clone();
+        tokio::select! {
+            sent = self.deliver(email, ctx) => sent,
+            () = cancelled.cancelled() => {
+                tracing::info!("send_email: the request was cancelled; the email finishes in the background");
+                Err(ErrorData::internal_error("request cancelled", None))
+            }
+        }
     }
 }
 
@@ -106,7 +169,8 @@ impl ServerHandler for Mailer {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
             "Tools with side effects are idempotent per run: send the agent's run id as \
-             _meta[\"idem/run\"] on every tools/call, and retry freely.",
+             _meta[\"idem/run\"] on every tools/call, and retry freely (with a new request id) \
+             when a request is lost.",
         )
     }
 }
