@@ -121,6 +121,44 @@ async fn a_retry_on_a_new_connection_is_replayed() {
 }
 
 #[tokio::test]
+async fn a_request_the_client_cancels_finishes_and_its_retry_gets_the_result() {
+    use rmcp::model::{CallToolRequest, ClientRequest};
+    use rmcp::service::PeerRequestOptions;
+    use std::time::{Duration, Instant};
+
+    let mailer = Mailer::new(Arc::new(MemoryStore::new())).with_latency(Duration::from_secs(1));
+    let client = connect(mailer.clone()).await;
+    let request = ClientRequest::CallToolRequest(CallToolRequest::new(call(
+        "send_email",
+        email(),
+        Some("run-cancel"),
+    )));
+    let handle = client
+        .send_cancellable_request(request, PeerRequestOptions::no_options())
+        .await
+        .unwrap();
+    mailer.sent_at_least(1).await;
+    handle
+        .cancel(Some("the agent gave up".into()))
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let retry = client
+        .call_tool(call("send_email", email(), Some("run-cancel")))
+        .await
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(
+        sent(&retry).message_id,
+        "msg-0001",
+        "the first call's result"
+    );
+    assert_eq!(mailer.outbox().len(), 1, "one email");
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
 async fn concurrent_duplicates_send_once() {
     let mailer = Mailer::new(Arc::new(MemoryStore::new()));
     let client = Arc::new(connect(mailer.clone()).await);
