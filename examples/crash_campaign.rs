@@ -1,11 +1,13 @@
-//! The crash campaign: for each store and each expired-lease policy, an agent loop of
+//! The crash campaign: for each store and each delivery policy, an agent loop of
 //! idempotent tool calls runs in a worker process that is killed with SIGKILL at every
 //! kind of point (before and after the claim, before and after the side effect, after
-//! completion, at random moments), restarted with the same run id and left to finish;
-//! then a clean worker replays every op. Prints the table the README publishes.
+//! completion, at random moments), restarted with the same run id and left to finish.
+//! Its agent also stops waiting for calls (before and after the side effect) and its
+//! bodies panic (before and after the side effect); the agent retries at once. Then a
+//! clean worker replays every op. Prints the table the README publishes.
 //!
 //! ```text
-//! cargo run --release --all-features --example crash_campaign -- --kills 1000
+//! cargo run --release --all-features --example crash_campaign -- --faults 1000
 //! ```
 //!
 //! Postgres and Redis join when `IDEM_POSTGRES_URL` / `IDEM_REDIS_URL` are set (and
@@ -21,11 +23,13 @@ use campaign::{Cell, Policy, StoreKind};
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(about = "Kill -9 an agent at every kind of point; count duplicates and losses")]
+#[command(
+    about = "Kill -9 an agent, cancel its calls, panic its bodies at every kind of point; count duplicates and losses"
+)]
 struct Args {
-    /// Kills per store and policy.
+    /// Faults per store and policy (kills, cancels and panics, in turn).
     #[arg(long, default_value_t = 60)]
-    kills: u32,
+    faults: u32,
     /// Seed of the kill plan (the same seed gives the same plan).
     #[arg(long, default_value_t = 0x1de3)]
     seed: u64,
@@ -65,13 +69,13 @@ fn main() {
                 store: *store,
                 location: location.clone(),
                 policy,
-                kills: args.kills,
+                faults: args.faults,
                 seed: args.seed + i as u64,
             };
             let report = campaign::run_cell(&cell, &worker);
             eprintln!(
-                "{store} / {policy}: {} kills {:?} in {:.1} s",
-                report.kills, report.kills_by_phase, report.seconds
+                "{store} / {policy}: {} kills, {} cancels, {} panics {:?} in {:.1} s",
+                report.kills, report.cancels, report.panics, report.kills_by_phase, report.seconds
             );
             reports.push(report);
         }

@@ -1,21 +1,24 @@
 //! The concurrency campaign: many tasks make random, overlapping calls over a set of
-//! keys, with a short lease that slow bodies outlive, so claims are taken over while
-//! their first owner still runs (takeover) and that owner's late completion must be
-//! refused (fencing). Memory and sled run in one process; Postgres and Redis run in
-//! three worker processes at once, each with its own connection. Memory and Redis run
-//! again with a `LocalCache` in front (in each worker process, for Redis).
+//! keys, and misbehave as agents do: a fifth of the calls are given up by the caller's
+//! own timeout (a random one, up to 200 ms), a quarter of the bodies panic after their
+//! side effect, and a third of the bodies run 400 ms, well past their 150 ms lease.
+//! Memory and sled run in one process; Postgres and Redis run in three worker processes
+//! at once, each with its own connection. Memory and Redis run again with a
+//! `LocalCache` in front (in each worker process, for Redis).
 //!
-//! Checked per key: every caller that got a value got the same one; the store holds
-//! that value (no stale owner overwrote it); and the body ran exactly once per
-//! completion: one execution completed, and every other execution's owner was told it
-//! lost its lease.
+//! Even keys go to a tool that owns its inputs (a call given up finishes alone), odd
+//! keys to one with `on_cancel = "abort"` (a call given up is released). Checked per
+//! key: every caller that got a value got the same one, the store holds it, and an
+//! execution that completed produced it; a body that outlived its lease kept its claim
+//! (no caller is ever told its lease was lost); for the finishing tool, exactly one
+//! execution completed and every other one panicked (no body was left half-run).
 //!
 //! Postgres and Redis need `IDEM_POSTGRES_URL` / `IDEM_REDIS_URL`; without them those
 //! cases print SKIPPED.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
 use idem::{idempotent, Error, Key, MemoryStore, Run, State, Store};
@@ -23,11 +26,13 @@ use idem::{idempotent, Error, Key, MemoryStore, Run, State, Store};
 const TASKS: u64 = 24;
 const CALLS_PER_TASK: u64 = 20;
 const KEYS: u64 = 12;
+/// The tools' lease; slow bodies run past it.
+const SLOW_MS: u64 = 400;
 
-/// What happened, one line per event: `exec <k> <value> <key> <nanos>` when a body
-/// started (wall clock, shared by every process of the machine),
-/// `ok <k> <value>` when a caller got a value, `lost <k>` when a caller was told its
-/// lease was lost.
+/// What happened, one line per event: `exec <k> <value> <key>` when a body started,
+/// `done <k> <value> <slow>` when it finished, `panic <k> <value>` when it panicked, `ok <k>
+/// <value>` when a caller got a value, `gave-up <k>` when a caller's timeout fired,
+/// `lost <k>` when a caller was told its lease was lost.
 #[derive(Default)]
 struct Journal(Mutex<Vec<String>>);
 
@@ -42,10 +47,30 @@ impl Journal {
 
 static NONCE: AtomicU64 = AtomicU64::new(0);
 
-/// A tool whose body sometimes outlives its 150 ms lease (a third of the calls sleep
-/// 400 ms), so waiting duplicates take the claim over while it still runs.
-#[idempotent(name = "slow_tool", lease = "150ms", wait = "20s", skip = [journal, slow])]
-async fn slow_tool(journal: &Journal, k: u64, slow: bool) -> Result<String, Error> {
+/// The message of the panics the campaign plans.
+const PLANNED_PANIC: &str = "concurrency campaign: planned panic";
+
+/// Planned panics are part of the run: keep them out of the output.
+fn quiet_planned_panics() {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let planned = payload.downcast_ref::<&str>() == Some(&PLANNED_PANIC)
+                || payload
+                    .downcast_ref::<String>()
+                    .is_some_and(|m| m == PLANNED_PANIC);
+            if !planned {
+                report(info);
+            }
+        }));
+    });
+}
+
+/// The body both tools run: the side effect (a journal line), then a pause (400 ms
+/// when `slow`), then a panic when `panics`.
+async fn body(journal: &Journal, k: u64, slow: bool, panics: bool) -> Result<String, Error> {
     let value = format!(
         "k{k}-p{}-v{}",
         std::process::id(),
@@ -54,18 +79,42 @@ async fn slow_tool(journal: &Journal, k: u64, slow: bool) -> Result<String, Erro
     let key = idem::current_key()
         .map(|k| k.to_string())
         .unwrap_or_default();
-    let started = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    journal.push(format!("exec {k} {value} {key} {started}"));
-    let pause = if slow { 400 } else { (k * 7) % 30 };
+    journal.push(format!("exec {k} {value} {key}"));
+    let pause = if slow { SLOW_MS } else { (k * 7) % 30 };
     tokio::time::sleep(Duration::from_millis(pause)).await;
+    if panics {
+        journal.push(format!("panic {k} {value}"));
+        std::panic::panic_any(PLANNED_PANIC);
+    }
+    journal.push(format!("done {k} {value} {slow}"));
     Ok(value)
+}
+
+/// Owns its inputs: a call its caller gives up on finishes alone.
+#[idempotent(name = "finishing_tool", lease = "150ms", wait = "20s", skip = [journal, slow, panics])]
+async fn finishing_tool(
+    journal: Arc<Journal>,
+    k: u64,
+    slow: bool,
+    panics: bool,
+) -> Result<String, Error> {
+    body(&journal, k, slow, panics).await
+}
+
+/// A call its caller gives up on is dropped, and its claim released.
+#[idempotent(name = "aborting_tool", lease = "150ms", wait = "20s", on_cancel = "abort", skip = [journal, slow, panics])]
+async fn aborting_tool(
+    journal: Arc<Journal>,
+    k: u64,
+    slow: bool,
+    panics: bool,
+) -> Result<String, Error> {
+    body(&journal, k, slow, panics).await
 }
 
 /// `tasks` tasks making random calls in `run_id` on `store`.
 async fn drive(store: &Arc<dyn Store>, run_id: &str, seed: u64, tasks: u64) -> Vec<String> {
+    quiet_planned_panics();
     let journal = Arc::new(Journal::default());
     let mut handles = Vec::new();
     for t in 0..tasks {
@@ -79,10 +128,35 @@ async fn drive(store: &Arc<dyn Store>, run_id: &str, seed: u64, tasks: u64) -> V
                 rng ^= rng << 17;
                 let k = rng % KEYS;
                 let slow = rng % 3 == 0;
-                match run.scope(slow_tool(&journal, k, slow)).await {
-                    Ok(value) => journal.push(format!("ok {k} {value}")),
-                    Err(Error::LostLease { .. }) => journal.push(format!("lost {k}")),
-                    Err(e) => panic!("key {k}: unexpected error {e}"),
+                let panics = (rng >> 8) % 4 == 0;
+                let gives_up =
+                    ((rng >> 16) % 5 == 0).then(|| Duration::from_millis((rng >> 24) % 200));
+                let call = {
+                    let (run, journal) = (run.clone(), journal.clone());
+                    async move {
+                        let call = async {
+                            if k % 2 == 0 {
+                                finishing_tool(journal, k, slow, panics).await
+                            } else {
+                                aborting_tool(journal, k, slow, panics).await
+                            }
+                        };
+                        let call = run.scope(call);
+                        match gives_up {
+                            Some(after) => tokio::time::timeout(after, call).await.ok(),
+                            None => Some(call.await),
+                        }
+                    }
+                };
+                // In a task of its own: a panic in the body reaches the caller as the
+                // task's.
+                match tokio::spawn(call).await {
+                    Ok(Some(Ok(value))) => journal.push(format!("ok {k} {value}")),
+                    Ok(Some(Err(Error::LostLease { .. }))) => journal.push(format!("lost {k}")),
+                    Ok(Some(Err(e))) => panic!("key {k}: unexpected error {e}"),
+                    Ok(None) => journal.push(format!("gave-up {k}")),
+                    Err(e) if e.is_panic() => {}
+                    Err(e) => panic!("key {k}: {e}"),
                 }
             }
         }));
@@ -90,71 +164,115 @@ async fn drive(store: &Arc<dyn Store>, run_id: &str, seed: u64, tasks: u64) -> V
     for handle in handles {
         handle.await.unwrap();
     }
-    journal.lines()
+    // Bodies given up on may still be finishing: wait until every started body ended.
+    let started = std::time::Instant::now();
+    loop {
+        let lines = journal.lines();
+        let count = |what: &str| lines.iter().filter(|l| l.starts_with(what)).count();
+        let ended = count("done ") + count("panic ");
+        if count("exec ") == ended
+            || started.elapsed() > Duration::from_secs(1) + Duration::from_millis(SLOW_MS)
+        {
+            return lines;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Per key, what the journal says.
+#[derive(Default)]
+struct Seen {
+    key: String,
+    executions: Vec<String>,
+    done: Vec<String>,
+    panicked: u32,
+    answers: Vec<String>,
+    gave_up: u32,
+    lost: u32,
 }
 
 /// Checks the invariants over everything every process saw.
 async fn check(lines: &[String], store: &dyn Store) {
-    // Per key: (start, value) of every execution.
-    let mut executions: HashMap<u64, Vec<(u128, String)>> = HashMap::new();
-    let mut keys: HashMap<u64, String> = HashMap::new();
-    let mut answers: HashMap<u64, Vec<String>> = HashMap::new();
-    let mut lost: HashMap<u64, u32> = HashMap::new();
+    let mut seen: HashMap<u64, Seen> = HashMap::new();
+    // Slow bodies (400 ms, past their 150 ms lease) that completed.
+    let mut outlived = 0;
     for line in lines {
         let parts: Vec<&str> = line.split(' ').collect();
         let k: u64 = parts[1].parse().unwrap();
+        let seen = seen.entry(k).or_default();
         match parts[0] {
             "exec" => {
-                let started: u128 = parts[4].parse().unwrap();
-                executions
-                    .entry(k)
-                    .or_default()
-                    .push((started, parts[2].to_owned()));
-                keys.insert(k, parts[3].to_owned());
+                seen.executions.push(parts[2].to_owned());
+                seen.key = parts[3].to_owned();
             }
-            "ok" => answers.entry(k).or_default().push(parts[2].to_owned()),
-            "lost" => *lost.entry(k).or_default() += 1,
+            "done" => {
+                seen.done.push(parts[2].to_owned());
+                outlived += u32::from(parts[3] == "true");
+            }
+            "panic" => seen.panicked += 1,
+            "ok" => seen.answers.push(parts[2].to_owned()),
+            "gave-up" => seen.gave_up += 1,
+            "lost" => seen.lost += 1,
             other => panic!("unknown journal line {other}"),
         }
     }
-    let mut takeovers = 0;
-    for (k, values) in &answers {
-        let first = &values[0];
+    let (mut gave_up, mut panicked) = (0, 0);
+    for (k, seen) in &seen {
+        let first = seen
+            .answers
+            .first()
+            .unwrap_or_else(|| panic!("key {k}: no caller got a value"));
         assert!(
-            values.iter().all(|v| v == first),
-            "key {k}: callers saw different values: {values:?}"
+            seen.answers.iter().all(|v| v == first),
+            "key {k}: callers saw different values: {:?}",
+            seen.answers
         );
-        // The store holds what the callers got: no stale owner overwrote it.
-        let key = Key::from_text(keys[k].as_str());
+        let key = Key::from_text(seen.key.as_str());
         let record = store.get(&key).await.unwrap().expect("a record");
         let State::Completed { result } = record.state else {
             panic!("key {k}: not completed: {:?}", record.state);
         };
         let stored: String = serde_json::from_slice(&result).unwrap();
         assert_eq!(&stored, first, "key {k}: the store holds another value");
-        // Exactly one execution completed; every other one's owner lost its lease.
-        let ran = executions[k].len() as u32;
-        let lost = lost.get(k).copied().unwrap_or(0);
-        assert_eq!(
-            ran,
-            1 + lost,
-            "key {k}: {ran} executions, 1 completion and {lost} lost leases"
+        assert!(
+            seen.done.contains(first),
+            "key {k}: the value callers got came from no completed execution"
         );
-        // The completion came from the newest owner: an execution whose claim was
-        // taken over must never complete, even if it finishes first. (Claims of one
-        // key are a lease, 150 ms, apart; a body starts microseconds after its claim.)
-        let newest = executions[k].iter().max().map(|(_, v)| v).unwrap();
-        assert_eq!(
-            newest, first,
-            "key {k}: a stale owner's result was stored over the newest owner's"
-        );
-        takeovers += lost;
+        assert_eq!(seen.lost, 0, "key {k}: a live body lost its claim");
+        if k % 2 == 0 {
+            assert_eq!(
+                seen.done.len(),
+                1,
+                "key {k}: {} executions of the finishing tool completed",
+                seen.done.len()
+            );
+            assert_eq!(
+                seen.executions.len() as u32,
+                1 + seen.panicked,
+                "key {k}: a body of the finishing tool was left half-run"
+            );
+        }
+        gave_up += seen.gave_up;
+        panicked += seen.panicked;
     }
-    let calls: usize = answers.values().map(Vec::len).sum();
-    println!("{calls} calls answered, {takeovers} takeovers (stale owners fenced off)");
+    for line in lines.iter().filter(|l| l.starts_with("done ")) {
+        // A completed execution of a slow body ran past its lease.
+        let value = line.split(' ').nth(2).unwrap_or_default();
+        outlived += u32::from(
+            lines
+                .iter()
+                .any(|l| l.starts_with("exec ") && l.contains(value)),
+        );
+    }
+    let calls: usize = seen.values().map(|s| s.answers.len()).sum();
+    println!(
+        "{calls} calls answered, {gave_up} given up by their callers, {panicked} bodies \
+         panicked, {outlived} bodies completed past their lease, no lease lost"
+    );
     assert!(
-        takeovers > 0,
-        "no lease expired mid-body: the campaign tested nothing"
+        gave_up > 0 && panicked > 0 && outlived > 0,
+        "the campaign tested nothing: {gave_up} given up, {panicked} panics, {outlived} \
+         bodies past their lease"
     );
 }
 

@@ -1,7 +1,9 @@
 //! The crash campaign, bounded: for each store and each policy, a worker process is
 //! killed with SIGKILL at every kind of point (before and after the claim, before and
 //! after the side effect, after completion, and at random moments), restarted with the
-//! same run id, and left to finish; then a clean worker replays every op.
+//! same run id, and left to finish; its agent also stops waiting for a call (before and
+//! after the side effect) and its body panics (before and after the side effect), and
+//! the agent retries at once; then a clean worker replays every op.
 //!
 //! Sled always runs; Postgres and Redis need `IDEM_POSTGRES_URL` / `IDEM_REDIS_URL`
 //! (and the `postgres` / `redis` features) and print SKIPPED otherwise.
@@ -15,8 +17,11 @@ use std::process::Command;
 
 use campaign::{Cell, Policy, Report, StoreKind};
 
-/// Kills per store and policy: 7, so each of the six kinds of kill point is hit.
-const KILLS: u32 = 7;
+/// Faults per store and policy: one at each of the ten kinds of point (six kills, two
+/// cancels, two panics).
+const FAULTS: u32 = 10;
+/// The campaign tool's lease: a retry that took this long waited one out.
+const LEASE_MS: f64 = 300.0;
 
 /// The worker process: this test binary, started again by the campaign.
 #[test]
@@ -41,7 +46,7 @@ fn check(store: StoreKind, location: &str) {
             store,
             location: location.to_owned(),
             policy,
-            kills: KILLS,
+            faults: FAULTS,
             seed: 0x1de3 + i as u64,
         };
         reports.push(campaign::run_cell(&cell, &worker));
@@ -49,11 +54,21 @@ fn check(store: StoreKind, location: &str) {
     println!("{}", campaign::table(&reports));
     for r in &reports {
         let cell = format!("{} / {}", r.store, r.policy);
-        assert_eq!(r.kills, KILLS, "{cell}: every planned kill landed");
-        assert!(
-            r.kills_by_phase.len() >= 5,
-            "{cell}: kills at every kind of point: {:?}",
+        assert_eq!(
+            r.kills + r.cancels + r.panics,
+            FAULTS,
+            "{cell}: every planned fault landed"
+        );
+        assert_eq!(
+            r.kills_by_phase.len(),
+            FAULTS as usize,
+            "{cell}: faults at every kind of point: {:?}",
             r.kills_by_phase
+        );
+        assert!(
+            r.max_retry_ms < LEASE_MS,
+            "{cell}: a retry after a cancel or panic took {} ms: it waited out the lease",
+            r.max_retry_ms
         );
         assert_eq!(r.duplicates_elsewhere, 0, "{cell}: duplicate side effects");
         assert_eq!(r.lost_completions, 0, "{cell}: lost completions");

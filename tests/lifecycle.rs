@@ -298,8 +298,29 @@ fn panic_message(error: tokio::task::JoinError) -> String {
     }
 }
 
+/// Panics anywhere in this test binary located in idem's own code, which never panics
+/// (a body polled again after it panicked would panic there).
+static IDEM_PANICS: AtomicUsize = AtomicUsize::new(0);
+
+fn count_idem_panics() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if info
+                .location()
+                .is_some_and(|l| l.file().contains("idem-core"))
+            {
+                IDEM_PANICS.fetch_add(1, Ordering::SeqCst);
+            }
+            report(info);
+        }));
+    });
+}
+
 #[tokio::test]
 async fn a_panicking_body_settles_at_once_and_the_panic_reaches_the_caller() {
+    count_idem_panics();
     let (run, provider) = (run(), Provider::default());
     let call = || run.scope(flaky_provider(provider.clone(), "ada".into()));
     let panicked = tokio::spawn(call()).await.unwrap_err();
@@ -324,6 +345,13 @@ async fn a_panicking_body_settles_at_once_and_the_panic_reaches_the_caller() {
     );
     assert!(started.elapsed() < PROMPT);
     assert_eq!(provider.delivered(), 1);
+    // The panicked body is not finished in the background as if its caller had left.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        IDEM_PANICS.load(Ordering::SeqCst),
+        0,
+        "idem panicked: a panicked body was polled again"
+    );
 }
 
 #[idempotent(lease = "60s", skip = [provider])]

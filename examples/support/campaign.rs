@@ -8,6 +8,12 @@
 //! in the body before the side effect, after the side effect before completion (the
 //! crash window), after completion before the call returns; and, from the driver, at a
 //! random moment (which lands anywhere, including inside store writes and flushes).
+//!
+//! Beside them, points where the agent misbehaves in a live process: a cancel point
+//! (the agent's `select!` stops waiting for the call there, before or after the side
+//! effect, and retries at once) and a panic point (the body panics there; the agent
+//! catches it and retries at once). Neither may cost a duplicate outside the window, and
+//! no such retry may wait out a lease.
 //! `IDEM_CAMPAIGN_TRACE=1` prints each worker run's plan and how it ended.
 
 #![allow(dead_code)]
@@ -19,7 +25,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -78,7 +84,7 @@ impl fmt::Display for Policy {
     }
 }
 
-/// Where a worker kills itself.
+/// Where a worker is killed, or where its agent stops waiting or its body panics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Phase {
     BeforeClaim,
@@ -89,15 +95,40 @@ pub enum Phase {
     AfterComplete,
     /// Killed by the driver after a random delay.
     Random,
+    /// The agent stops waiting for the call in the body, before the side effect.
+    CancelBeforeEffect,
+    /// The agent stops waiting for the call after the side effect, before completion.
+    CancelAfterEffect,
+    /// The body panics before the side effect.
+    PanicBeforeEffect,
+    /// The body panics after the side effect, before completion.
+    PanicAfterEffect,
 }
 
-const PHASES: [Phase; 6] = [
+impl Phase {
+    /// Whether the process dies here (otherwise it lives on, and the agent retries).
+    fn kills(self) -> bool {
+        !matches!(
+            self,
+            Phase::CancelBeforeEffect
+                | Phase::CancelAfterEffect
+                | Phase::PanicBeforeEffect
+                | Phase::PanicAfterEffect
+        )
+    }
+}
+
+const PHASES: [Phase; 10] = [
     Phase::BeforeClaim,
     Phase::AfterClaim,
     Phase::BeforeEffect,
     Phase::AfterEffect,
     Phase::AfterComplete,
     Phase::Random,
+    Phase::CancelBeforeEffect,
+    Phase::CancelAfterEffect,
+    Phase::PanicBeforeEffect,
+    Phase::PanicAfterEffect,
 ];
 
 /// A worker's configuration.
@@ -113,7 +144,7 @@ struct WorkerConfig {
     /// right after a planned kill point that was not reached.
     until: u32,
     dir: PathBuf,
-    /// `(op, phase)` at which to die, if any.
+    /// `(op, phase)` at which to die, stop waiting or panic, if anywhere.
     kill: Option<(u32, Phase)>,
     /// The verification pass: its answers go to `verify`, not `returned`.
     verify: bool,
@@ -125,10 +156,20 @@ struct WorkerConfig {
 
 static CURRENT_OP: AtomicU32 = AtomicU32::new(u32::MAX);
 static KILL: OnceLock<(u32, Phase)> = OnceLock::new();
+/// Whether the planned cancel or panic happened (it happens once: not in the retry).
+static FIRED: AtomicBool = AtomicBool::new(false);
+/// The agent's signal to stop waiting for the call in flight.
+static STOP_WAITING: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Whether this is the planned point, the first time it is reached.
+fn planned(phase: Phase) -> bool {
+    KILL.get() == Some(&(CURRENT_OP.load(Ordering::SeqCst), phase))
+        && (phase.kills() || !FIRED.swap(true, Ordering::SeqCst))
+}
 
 /// Dies here if this is the configured kill point.
 fn kill_point(phase: Phase) {
-    if KILL.get() == Some(&(CURRENT_OP.load(Ordering::SeqCst), phase)) {
+    if planned(phase) {
         // SAFETY: kill(2) on our own pid with a valid signal number.
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
@@ -136,6 +177,19 @@ fn kill_point(phase: Phase) {
         loop {
             std::thread::park();
         }
+    }
+}
+
+/// A point in the body: dies, makes the agent stop waiting, or panics, if planned here.
+async fn fault_point(kill: Phase, cancel: Phase, panic: Phase) {
+    kill_point(kill);
+    if planned(cancel) {
+        STOP_WAITING.notify_one();
+        // Let the agent's `select!` see it: the call is dropped at this `.await`.
+        tokio::task::yield_now().await;
+    }
+    if planned(panic) {
+        panic!("campaign: the body panics at {panic:?}");
     }
 }
 
@@ -218,19 +272,36 @@ fn nonce() -> String {
     )
 }
 
+/// Before the side effect: a kill, cancel or panic point.
+async fn before_effect() {
+    fault_point(
+        Phase::BeforeEffect,
+        Phase::CancelBeforeEffect,
+        Phase::PanicBeforeEffect,
+    )
+    .await;
+}
+
+/// After the side effect, before completion: a kill, cancel or panic point.
+async fn after_effect() {
+    fault_point(
+        Phase::AfterEffect,
+        Phase::CancelAfterEffect,
+        Phase::PanicAfterEffect,
+    )
+    .await;
+}
+
 /// The side effect: one durable ledger line per execution.
 fn effect(ledger: &Path, op: u32) -> Result<String, OpError> {
-    kill_point(Phase::BeforeEffect);
     let nonce = nonce();
     append_durably(ledger, &format!("{op} {nonce}"))?;
-    kill_point(Phase::AfterEffect);
     Ok(format!("op{op}-{nonce}"))
 }
 
 /// The side effect through a downstream that deduplicates by idem's key: a second
 /// request with the same key gets the first one's answer and changes nothing.
 fn effect_downstream(ledger: &Path, op: u32) -> Result<String, OpError> {
-    kill_point(Phase::BeforeEffect);
     let key = idem::current_key().ok_or_else(|| std::io::Error::other("no key in the body"))?;
     let replayed = lines(ledger).into_iter().find_map(|line| {
         let mut parts = line.split(' ');
@@ -245,23 +316,68 @@ fn effect_downstream(ledger: &Path, op: u32) -> Result<String, OpError> {
             nonce
         }
     };
-    kill_point(Phase::AfterEffect);
     Ok(format!("op{op}-{nonce}"))
 }
 
+// The tools own their inputs, so a call the agent stops waiting for finishes alone.
+
 #[idempotent(name = "campaign_op", lease = "300ms", ttl = "1h")]
-async fn at_least_once(ledger: &Path, op: u32) -> Result<String, OpError> {
-    effect(ledger, op)
+async fn at_least_once(ledger: PathBuf, op: u32) -> Result<String, OpError> {
+    before_effect().await;
+    let value = effect(&ledger, op)?;
+    after_effect().await;
+    Ok(value)
 }
 
 #[idempotent(name = "campaign_op", lease = "300ms", ttl = "1h", at_most_once)]
-async fn at_most_once(ledger: &Path, op: u32) -> Result<String, OpError> {
-    effect(ledger, op)
+async fn at_most_once(ledger: PathBuf, op: u32) -> Result<String, OpError> {
+    before_effect().await;
+    let value = effect(&ledger, op)?;
+    after_effect().await;
+    Ok(value)
 }
 
 #[idempotent(name = "campaign_op", lease = "300ms", ttl = "1h")]
-async fn downstream(ledger: &Path, op: u32) -> Result<String, OpError> {
-    effect_downstream(ledger, op)
+async fn downstream(ledger: PathBuf, op: u32) -> Result<String, OpError> {
+    before_effect().await;
+    let value = effect_downstream(&ledger, op)?;
+    after_effect().await;
+    Ok(value)
+}
+
+/// How one attempt at a call ended.
+enum Attempt {
+    Answered(Result<String, OpError>),
+    /// The agent stopped waiting (a cancel point).
+    StoppedWaiting,
+    /// The body panicked, and the panic reached the agent.
+    Panicked,
+}
+
+/// One attempt at `op`, as the agent makes it: in a task of its own (a panic in the
+/// body reaches the agent as the task's), and given up when the body asks it to.
+async fn attempt(run: &Run, policy: Policy, ledger: &Path, op: u32) -> Attempt {
+    let (run, ledger) = (run.clone(), ledger.to_owned());
+    let task = tokio::spawn(async move {
+        let call = run.scope(async move {
+            match policy {
+                Policy::AtLeastOnce => at_least_once(ledger, op).await,
+                Policy::AtMostOnce => at_most_once(ledger, op).await,
+                Policy::Downstream => downstream(ledger, op).await,
+            }
+        });
+        tokio::select! {
+            biased;
+            () = STOP_WAITING.notified() => None,
+            answer = call => Some(answer),
+        }
+    });
+    match task.await {
+        Ok(Some(answer)) => Attempt::Answered(answer),
+        Ok(None) => Attempt::StoppedWaiting,
+        Err(e) if e.is_panic() => Attempt::Panicked,
+        Err(e) => Attempt::Answered(Err(OpError::Ledger(std::io::Error::other(e.to_string())))),
+    }
 }
 
 /// Runs this process as a campaign worker if `IDEM_CAMPAIGN_WORKER` says so; returns
@@ -277,6 +393,17 @@ pub fn run_worker_if_asked() -> bool {
             std::process::exit(2);
         }
     };
+    // Planned panics are part of the run: keep them out of the output.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let planned = info
+            .payload()
+            .downcast_ref::<String>()
+            .is_some_and(|m| m.starts_with("campaign: "));
+        if !planned {
+            report(info);
+        }
+    }));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -328,18 +455,27 @@ async fn worker(config: WorkerConfig) -> i32 {
     let answers = config
         .dir
         .join(if config.verify { "verify" } else { "returned" });
+    let events = config.dir.join("events");
     // The agent loop: every op in order, from the start (earlier ops are replayed).
     for op in 0..config.until.min(config.ops) {
         CURRENT_OP.store(op, Ordering::SeqCst);
-        let result = run
-            .scope(async {
-                match config.policy {
-                    Policy::AtLeastOnce => at_least_once(&ledger, op).await,
-                    Policy::AtMostOnce => at_most_once(&ledger, op).await,
-                    Policy::Downstream => downstream(&ledger, op).await,
-                }
-            })
-            .await;
+        // A cancel or panic: the agent retries at once, and notes how long the retry
+        // took to answer.
+        let mut fault: Option<(&str, Instant)> = None;
+        let result = loop {
+            match attempt(&run, config.policy, &ledger, op).await {
+                Attempt::Answered(result) => break result,
+                Attempt::StoppedWaiting => fault = Some(("cancel", Instant::now())),
+                Attempt::Panicked => fault = Some(("panic", Instant::now())),
+            }
+        };
+        if let Some((what, at)) = fault {
+            let waited = at.elapsed().as_micros();
+            if let Err(e) = append_durably(&events, &format!("{what} {op} {waited}")) {
+                eprintln!("op {op}: cannot record the {what}: {e}");
+                return CALL_FAILED;
+            }
+        }
         let answer = match result {
             Ok(value) => value,
             // The agent records the unknown outcome and moves on (it reconciles later).
@@ -361,13 +497,14 @@ async fn worker(config: WorkerConfig) -> i32 {
 // The driver
 // ---------------------------------------------------------------------------------
 
-/// One cell of the campaign: a store, a policy, how many kills.
+/// One cell of the campaign: a store, a policy, how many faults (kills, cancels and
+/// panics, cycling through every kind of point).
 #[derive(Debug, Clone)]
 pub struct Cell {
     pub store: StoreKind,
     pub location: String,
     pub policy: Policy,
-    pub kills: u32,
+    pub faults: u32,
     pub seed: u64,
 }
 
@@ -379,12 +516,18 @@ pub struct Report {
     /// Worker processes started, the verification pass included.
     pub runs: u32,
     pub kills: u32,
-    /// Kills by where they landed.
+    /// Cancel points the agent stopped waiting at (the call then retried at once).
+    pub cancels: u32,
+    /// Panic points the body panicked at (the call then retried at once).
+    pub panics: u32,
+    /// The longest a retry after a cancel or a panic took to answer, in milliseconds.
+    pub max_retry_ms: f64,
+    /// Faults by where they landed: kills, cancels and panics.
     pub kills_by_phase: BTreeMap<String, u32>,
     pub ops: u32,
     /// Executions of a side effect, from the ledger.
     pub executions: u32,
-    /// Extra executions of ops killed in the crash window.
+    /// Extra executions of ops killed, or whose body panicked, in the crash window.
     pub duplicates_in_window: u32,
     /// Extra executions of any other op: must be zero.
     pub duplicates_elsewhere: u32,
@@ -432,7 +575,7 @@ pub fn run_cell(cell: &Cell, worker: &dyn Fn() -> Command) -> Report {
         StoreKind::Sled => dir.path().join("store").display().to_string(),
         _ => cell.location.clone(),
     };
-    let mut ops = cell.kills * 3 + 6;
+    let mut ops = cell.faults * 3 + 6;
     let mut config = WorkerConfig {
         store: cell.store,
         location,
@@ -457,27 +600,29 @@ pub fn run_cell(cell: &Cell, worker: &dyn Fn() -> Command) -> Report {
         ..Report::default()
     };
     let mut rng = Rng(cell.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-    // Ops killed in the crash window: their duplicates are expected (at-least-once).
+    // Ops killed (or whose body panicked) in the crash window: their duplicates are
+    // expected (at-least-once).
     let mut window_ops = Vec::new();
-    let mut kills_done = 0;
+    let mut faults_done = 0;
     let mut typical_run = Duration::from_millis(50);
 
     let returned = dir.path().join("returned");
     let ledger = dir.path().join("ledger");
-    for _ in 0..cell.kills * 8 + 16 {
+    let events = dir.path().join("events");
+    for _ in 0..cell.faults * 8 + 16 {
         let progress = answered_ops(&returned);
         if progress >= ops {
-            if kills_done >= cell.kills {
+            if faults_done >= cell.faults {
                 break;
             }
-            // Kill points that were not reached (a random delay past the run's end, a
+            // Fault points that were not reached (a random delay past the run's end, a
             // body that does not run again under at-most-once) used the ops up: add
-            // some, so every planned kill lands.
+            // some, so every planned fault lands.
             ops += 3;
             config.ops = ops;
         }
-        let phase = PHASES[(kills_done % PHASES.len() as u32) as usize];
-        let planned = (kills_done < cell.kills).then(|| {
+        let phase = PHASES[(faults_done % PHASES.len() as u32) as usize];
+        let planned = (faults_done < cell.faults).then(|| {
             let op = (progress + rng.below(3) as u32).min(ops - 1);
             (op, phase)
         });
@@ -495,6 +640,7 @@ pub fn run_cell(cell: &Cell, worker: &dyn Fn() -> Command) -> Report {
             .map(|_| Duration::from_micros(rng.below(typical_run.as_micros() as u64)));
 
         let executed_before = ledger_ops(&ledger);
+        let events_before = lines(&events).len();
         report.runs += 1;
         let run_started = Instant::now();
         let exit = spawn_and_wait(worker, &config, random_delay);
@@ -507,9 +653,32 @@ pub fn run_cell(cell: &Cell, worker: &dyn Fn() -> Command) -> Report {
         if let Exit::Done = exit {
             typical_run = run_started.elapsed();
         }
+        // A cancel or panic the worker lived through, and the retry after it.
+        let lived = lines(&events).into_iter().skip(events_before).next_back();
+        if let (Exit::Done, Some(event), Some((op, phase))) = (&exit, lived, planned) {
+            faults_done += 1;
+            let retry_ms = event
+                .rsplit(' ')
+                .next()
+                .and_then(|us| us.parse::<f64>().ok())
+                .unwrap_or(f64::MAX)
+                / 1000.0;
+            report.max_retry_ms = report.max_retry_ms.max(retry_ms);
+            match phase {
+                Phase::CancelBeforeEffect | Phase::CancelAfterEffect => report.cancels += 1,
+                _ => report.panics += 1,
+            }
+            *report
+                .kills_by_phase
+                .entry(format!("{phase:?}"))
+                .or_default() += 1;
+            if phase == Phase::PanicAfterEffect {
+                window_ops.push(op);
+            }
+        }
         match exit {
             Exit::Killed => {
-                kills_done += 1;
+                faults_done += 1;
                 report.kills += 1;
                 let (op, phase) = match planned {
                     // Where a random kill landed: the first op without an answer.
@@ -670,15 +839,18 @@ fn answered_ops(path: &Path) -> u32 {
 /// The report as a Markdown table.
 pub fn table(reports: &[Report]) -> String {
     let mut out = String::from(
-        "| store | policy | runs | kills | ops | executions | dup. in crash window | dup. elsewhere | unknown | lost completions | inconsistent answers | reopen failures | worker failures | seconds |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| store | policy | runs | kills | cancels | panics | slowest retry after a cancel or panic (ms) | ops | executions | dup. in crash window | dup. elsewhere | unknown | lost completions | inconsistent answers | reopen failures | worker failures | seconds |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in reports {
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} |\n",
             r.store,
             r.policy,
             r.runs,
             r.kills,
+            r.cancels,
+            r.panics,
+            r.max_retry_ms,
             r.ops,
             r.executions,
             r.duplicates_in_window,

@@ -375,9 +375,19 @@ impl<R: Send + 'static> Future for Finishing<R> {
         let Some(life) = self.life.as_mut() else {
             return Poll::Ready(Err(Error::store("idem", "polled after completion")));
         };
-        let output = std::task::ready!(life.as_mut().poll(cx));
-        self.life = None;
-        Poll::Ready(output)
+        // A panic goes on to the caller; the panicked body must not be finished later.
+        let polled = panic::catch_unwind(AssertUnwindSafe(|| life.as_mut().poll(cx)));
+        match polled {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => {
+                self.life = None;
+                Poll::Ready(output)
+            }
+            Err(payload) => {
+                self.life = None;
+                panic::resume_unwind(payload)
+            }
+        }
     }
 }
 
