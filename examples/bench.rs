@@ -23,7 +23,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use idem::{MemoryStore, Run, SledStore};
-use scenario::{email, floor_key, message_id, send, send_email, MessageId, BODY};
+use scenario::{email, floor_key, message_id, send, send_email, send_email_owned, MessageId, BODY};
 
 const BATCHES: usize = 15;
 
@@ -216,6 +216,50 @@ fn main() {
             "memory: hit",
             hit,
             Some(("key + map lookup + decode", floor)),
+        );
+
+        // A miss: a new input each time (building it is in both sides of each pair).
+        let claim = vec![0u8; 78];
+        let result = serde_json::to_vec(&message_id()).unwrap();
+        let floor_map = std::sync::Mutex::new(HashMap::<[u8; 64], Vec<u8>>::new());
+        let run = &run;
+        let (miss, floor) = compare(
+            n,
+            |i| async move {
+                std::hint::black_box(send_email(run, &email(i, BODY)).await.unwrap());
+            },
+            |i| {
+                let (claim, result, floor_map) = (&claim, &result, &floor_map);
+                async move {
+                    let input = email(i, BODY);
+                    let key = floor_key(&input);
+                    floor_map.lock().unwrap().insert(key, claim.clone());
+                    let value = serde_json::to_vec(&send(&input)).unwrap();
+                    std::hint::black_box(&value == result);
+                    floor_map.lock().unwrap().insert(key, value);
+                }
+            },
+        )
+        .await;
+        t.row(
+            "memory: miss",
+            miss,
+            Some(("key + claim write + encode + write", floor)),
+        );
+        let (owned, borrowed) = compare(
+            n,
+            |i| async move {
+                std::hint::black_box(send_email_owned(run, email(i, BODY)).await.unwrap());
+            },
+            |i| async move {
+                std::hint::black_box(send_email(run, &email(i, BODY)).await.unwrap());
+            },
+        )
+        .await;
+        t.row(
+            "memory: miss, input owned (finishes alone)",
+            owned,
+            Some(("input borrowed (settled if dropped)", borrowed)),
         );
 
         // Sled.

@@ -27,18 +27,27 @@
 //! The attribute derives a key from the run id, the tool's name and a SHA-256 of the
 //! input. A call whose key already completed returns the stored result without running
 //! the body; concurrent duplicates wait for the first; a failed call releases the key
-//! so a retry runs again. Inside the body, [`current_key`] gives the key to forward
+//! so a retry runs again.
+//!
+//! A call's life is settled whatever its caller or its body does. A call the agent
+//! stops waiting for (its own `tokio::time::timeout`) finishes in the background and
+//! records its result, so the retry gets it; a body that cannot outlive its caller (it
+//! borrows from it) and a body that panics settle their claim at once (released, or
+//! recorded as outcome-unknown under `at_most_once`); a running body's claim is renewed,
+//! so only a dead process's claim waits out a lease. Inside the body, [`current_key`] gives the key to forward
 //! downstream (Stripe's `Idempotency-Key`).
 //!
 //! ## Options
 //!
 //! | option | meaning | default |
 //! |---|---|---|
-//! | `ttl = "24h"` | how long a result is kept and replayed (`ms`, `s`, `m`, `h`, `d`, combinable: `"1h30m"`) | 24 hours |
-//! | `lease = "30s"` | how long a claim holds before its owner is considered crashed; above the body's longest run | 60 seconds |
-//! | `wait = "10s"` | how long a concurrent duplicate waits for the first call's result | one lease |
+//! | `ttl = "24h"` | how long a result is kept and replayed, from completion (`ms`, `s`, `m`, `h`, `d`, combinable: `"1h30m"`) | 24 hours |
+//! | `lease = "15s"` | how long a claim holds without a heartbeat: how soon a dead process's claim is taken over | 15 seconds, renewed every 5 |
+//! | `max_run = "10m"` | the longest a body may run: its claim is renewed until then; an async body still running is stopped ([`Error::MaxRunExceeded`]) | 10 minutes |
+//! | `on_cancel = "finish"` | a call its caller stops waiting for (a timeout, `select!`): `"finish"` runs the body on to its end in a task of its own and records its outcome; `"abort"` drops it and settles its claim at once | `"finish"` when the body uses nothing borrowed from its caller, else `"abort"` |
+//! | `wait = "10s"` | how long a concurrent duplicate waits for the first call's result | `max_run` + `lease` |
 //! | `fail_fast` | a concurrent duplicate gets [`Error::InProgress`] at once | off |
-//! | `at_most_once` | after a crash, [`Error::OutcomeUnknown`] instead of running again (payments) | at-least-once |
+//! | `at_most_once` | a claim given up without an outcome (a crash, a dropped call, a panic) is [`Error::OutcomeUnknown`] instead of running again (payments) | at-least-once |
 //! | `cache_errors` | store `Err` values and replay them too (needs `E: Serialize + Deserialize`) | errors release the key |
 //! | `name = "send_email"` | the tool name in the key: a string literal, or an expression giving `&str` (`name = Self::NAME`) | the function's name; `Type::method` for methods |
 //! | `key = [input.to]` | the arguments or fields that form the key; the whole input is still fingerprinted, so the same key with another input is [`Error::PayloadMismatch`] | all arguments |
@@ -63,6 +72,12 @@
 //! otherwise the ambient run of [`Run::scope`] / [`Run::sync_scope`] is used, and with
 //! neither the call is [`Error::NoRun`]. The function must return `Result<T, E>` with
 //! `T: Serialize + DeserializeOwned` and `E: From<idem::Error>` (or `map_error`).
+//!
+//! An async tool that finishes when its caller stops waiting (the default for one whose
+//! body uses nothing borrowed from its caller, or `on_cancel = "finish"`) must have a
+//! `Send + 'static` body, with `T` and `E` `Send + 'static` too. With `on_cancel =
+//! "finish"`, a method that uses `&self` runs on a clone of `self` (`Self: Clone`), and a
+//! `&T` argument it uses on an owned copy (`T: ToOwned`).
 //!
 //! In `#[async_trait]` impls, put `#[idempotent]` on the method as usual: the impl's
 //! `#[async_trait]` expands first and `#[idempotent]` wraps the boxed future it emits.

@@ -70,6 +70,13 @@ pub async fn send_email(run: &Run, input: &SendEmail) -> Result<MessageId, Error
     Ok(send(input))
 }
 
+/// The same tool taking its input by value, as most tools do: a call its caller stops
+/// waiting for finishes alone (`execute_finishing`, which boxes the body on a miss).
+#[idempotent(name = "send_email_owned")]
+pub async fn send_email_owned(run: &Run, input: SendEmail) -> Result<MessageId, Error> {
+    Ok(send(&input))
+}
+
 /// A sled store in `dir` holding the completed records of emails `0..records`
 /// (written directly, for speed), expiring after `ttl`.
 pub fn filled_store(dir: &std::path::Path, records: u64, ttl: std::time::Duration) -> SledStore {

@@ -364,9 +364,13 @@ impl<F: Future + Send + 'static> FinishesAlone for F {}
 /// An owner's call, run by [`execute_finishing`]: finished in a task of its own if the
 /// caller drops it.
 struct Finishing<R: Send + 'static> {
-    life: Option<Pin<Box<dyn Future<Output = Result<R, Error>> + Send>>>,
+    /// The owner's part of the call, until it ends.
+    life: Option<Life<R>>,
     key: Key,
 }
+
+/// The owner's part of a call ([`own`]), boxed so it can move to a task of its own.
+type Life<R> = Pin<Box<dyn Future<Output = Result<R, Error>> + Send>>;
 
 impl<R: Send + 'static> Future for Finishing<R> {
     type Output = Result<R, Error>;

@@ -288,7 +288,7 @@ impl Mentions {
 
     fn has(&self, name: &Ident) -> bool {
         let name = name.to_string();
-        self.idents.iter().any(|i| *i == name)
+        self.idents.contains(&name)
     }
 }
 
