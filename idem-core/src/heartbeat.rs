@@ -90,6 +90,7 @@ pub(crate) async fn drive<F: Future>(mut body: Pin<&mut F>, lease: &Lease<'_>) -
             }
             if now < next {
                 let wake_at = deadline.map_or(next, |deadline| next.min(deadline));
+                // Without a heartbeat thread, the claim is not renewed (logged once).
                 alarm.set(wake_at, cx.waker());
                 return Poll::Pending;
             }
@@ -115,11 +116,31 @@ struct AlarmSlot {
     due: Mutex<Option<(Instant, Waker)>>,
 }
 
+/// Completes at `at` or later, woken by the heartbeat thread: a timer that needs no
+/// tokio (a runtime built without timers, another executor, none at all).
+pub(crate) async fn sleep_until(at: Instant) {
+    let mut alarm = Alarm::default();
+    std::future::poll_fn(|cx| {
+        let now = Instant::now();
+        if now >= at {
+            return Poll::Ready(());
+        }
+        if !alarm.set(at, cx.waker()) {
+            // No heartbeat thread (the OS would not start one): block until then
+            // rather than poll without pause.
+            std::thread::sleep(at - now);
+        }
+        Poll::Pending
+    })
+    .await
+}
+
 impl Alarm {
-    /// Wakes `waker` at `at` (or later), replacing any earlier setting.
-    fn set(&mut self, at: Instant, waker: &Waker) {
+    /// Wakes `waker` at `at` (or later), replacing any earlier setting. `false` if there
+    /// is no heartbeat thread to do it.
+    fn set(&mut self, at: Instant, waker: &Waker) -> bool {
         let Some(timer) = timer() else {
-            return;
+            return false;
         };
         let slot = self.slot.get_or_insert_with(|| {
             Arc::new(AlarmSlot {
@@ -139,6 +160,7 @@ impl Alarm {
                 timer.schedule(at, Job::Wake(Arc::clone(slot)));
             }
         }
+        true
     }
 }
 

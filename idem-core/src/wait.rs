@@ -74,17 +74,24 @@ pub(crate) trait Pause {
     fn pause(listener: EventListener, max: Duration) -> impl Future<Output = ()> + Send;
 }
 
-/// Pauses without blocking the thread, on tokio's timer.
+/// Pauses without blocking the thread, on the heartbeat thread's timer (which, unlike
+/// tokio's, is there on any executor and any runtime).
 pub(crate) struct AsyncPause;
 
 impl Pause for AsyncPause {
     async fn pause(listener: EventListener, max: Duration) {
-        if tokio::runtime::Handle::try_current().is_ok() {
-            let _ = tokio::time::timeout(max, listener).await;
-        } else {
-            // Not on a tokio runtime: there is no timer to await; block instead of panicking.
-            listener.wait_timeout(max);
-        }
+        let Some(at) = std::time::Instant::now().checked_add(max) else {
+            return listener.await;
+        };
+        let mut listener = std::pin::pin!(listener);
+        let mut timer = std::pin::pin!(crate::heartbeat::sleep_until(at));
+        std::future::poll_fn(|cx| {
+            if listener.as_mut().poll(cx).is_ready() || timer.as_mut().poll(cx).is_ready() {
+                return std::task::Poll::Ready(());
+            }
+            std::task::Poll::Pending
+        })
+        .await
     }
 }
 

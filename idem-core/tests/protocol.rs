@@ -601,3 +601,50 @@ fn a_result_may_call_a_tool_on_the_same_store_while_it_is_replayed() {
         );
     }
 }
+
+/// A runtime built without timers (`enable_time` not called): a body that outlives its
+/// lease keeps its claim, and a duplicate waits for it, neither needing tokio's timer
+/// (which panics there).
+#[test]
+fn waits_and_renewals_need_no_tokio_timer() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let run = Run::new("run-no-timer").with_store(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    // The body finishes when another thread says so, 600 ms from now: four leases.
+    let (done, finished) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(600));
+        let _ = done.send(());
+    });
+    let options = Options::new().lease(Duration::from_millis(150));
+    let (first, second) = runtime.block_on(async {
+        let owner = {
+            let runs = runs.clone();
+            execute::<Result<usize, Error>, ReleaseErrors, _>(
+                Call::new(Some(&run), "slow", options, &1),
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst);
+                    let _ = finished.await;
+                    Ok(n)
+                },
+            )
+        };
+        let duplicate = {
+            let runs = runs.clone();
+            execute::<Result<usize, Error>, ReleaseErrors, _>(
+                Call::new(Some(&run), "slow", options, &1),
+                async move { Ok(runs.fetch_add(1, Ordering::SeqCst) + 100) },
+            )
+        };
+        tokio::join!(owner, duplicate)
+    });
+    assert_eq!(first.unwrap().unwrap(), 0);
+    assert_eq!(
+        second.unwrap().unwrap(),
+        0,
+        "the duplicate waited for the owner"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
