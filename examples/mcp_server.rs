@@ -11,17 +11,18 @@
 //! default store (`$IDEM_DIR`, else `./.idem`), so a retry after a server restart is
 //! replayed too. The server logs to stderr (`RUST_LOG=idem=debug` for each decision).
 //!
-//! The tool itself is in `examples/support/mcp.rs`:
+//! The tool itself is in `examples/support/mcp.rs`: `send_email` stops waiting when
+//! rmcp cancels the request (`ctx.ct`), while the idempotent call inside it finishes and
+//! records its result, so the client's retry gets it:
 //!
 //! ```ignore
-//! #[idempotent(name = "send_email", run = self.run_of(&ctx), skip = [ctx], map_error = mcp_error)]
-//! #[tool(description = "Send an email. Retries with the same run id and arguments send it once.")]
-//! async fn send_email(
-//!     &self,
-//!     Parameters(email): Parameters<SendEmail>,
-//!     ctx: RequestContext<RoleServer>,
-//! ) -> Result<Sent, ErrorData> { .. }
+//! #[idempotent(name = "send_email", run = self.run_of(&ctx), skip = [ctx],
+//!              map_error = mcp_error, on_cancel = "finish")]
+//! async fn deliver(&self, email: SendEmail, ctx: RequestContext<RoleServer>)
+//!     -> Result<Sent, ErrorData> { .. }
 //! ```
+//!
+//! `cargo run --example mcp_http` serves the same tool over streamable HTTP.
 
 #[path = "support/mcp.rs"]
 mod mcp;

@@ -604,3 +604,351 @@ async fn a_wait_that_lasts_is_logged_at_info_with_the_tool_the_key_and_the_claim
         "logged once:\n{logs}"
     );
 }
+
+/// A memory store whose answers come late: a claim is applied at once and answered
+/// `claim_answer` later; a release is applied only after `release_delay`.
+#[derive(Clone, Default)]
+struct Slow {
+    inner: MemoryStore,
+    claim_answer: Duration,
+    release_delay: Duration,
+}
+
+#[async_trait::async_trait]
+impl idem::Store for Slow {
+    async fn claim(
+        &self,
+        key: &idem::Key,
+        request: &idem::store::ClaimRequest,
+    ) -> Result<idem::store::Claim, Error> {
+        let claim = self.inner.claim(key, request).await;
+        tokio::time::sleep(self.claim_answer).await;
+        claim
+    }
+    async fn complete(
+        &self,
+        key: &idem::Key,
+        token: idem::record::Token,
+        outcome: idem::store::Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<idem::store::Fenced, Error> {
+        self.inner.complete(key, token, outcome, ttl).await
+    }
+    async fn release(
+        &self,
+        key: &idem::Key,
+        token: idem::record::Token,
+    ) -> Result<idem::store::Fenced, Error> {
+        tokio::time::sleep(self.release_delay).await;
+        self.inner.release(key, token).await
+    }
+    async fn renew(
+        &self,
+        key: &idem::Key,
+        token: idem::record::Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<idem::store::Fenced, Error> {
+        self.inner.renew(key, token, lease, ttl).await
+    }
+    async fn get(&self, key: &idem::Key) -> Result<Option<idem::Record>, Error> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &idem::Key) -> Result<bool, Error> {
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        self.inner.purge_expired().await
+    }
+}
+
+#[idempotent(lease = "60s", skip = [provider])]
+async fn send_quick(provider: Provider, to: String) -> Result<String, Error> {
+    Ok(provider.deliver())
+}
+
+#[idempotent(lease = "60s", at_most_once, skip = [provider])]
+async fn charge_quick(provider: Provider, cents: u64) -> Result<String, Error> {
+    Ok(provider.deliver())
+}
+
+#[tokio::test]
+async fn a_call_dropped_while_its_claim_is_answered_leaves_no_claim_behind() {
+    let store = Slow {
+        claim_answer: Duration::from_millis(300),
+        ..Slow::default()
+    };
+    let run = Run::new("agent-run").with_store(store);
+    let provider = Provider::default();
+
+    // The claim lands; the caller gives up before its answer comes back.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(send_quick(provider.clone(), "ada".into())),
+    )
+    .await;
+    assert!(dropped.is_err());
+    let started = Instant::now();
+    let retry = run.scope(send_quick(provider.clone(), "ada".into())).await;
+    assert_eq!(
+        retry.unwrap(),
+        "msg-1",
+        "the retry runs the body, which never ran"
+    );
+    assert!(
+        started.elapsed() < PROMPT,
+        "the retry waited {:?}",
+        started.elapsed()
+    );
+
+    // At-most-once too: no body ran, so the outcome is not unknown.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(charge_quick(provider.clone(), 500)),
+    )
+    .await;
+    assert!(dropped.is_err());
+    let started = Instant::now();
+    let retry = run.scope(charge_quick(provider.clone(), 500)).await;
+    assert_eq!(retry.unwrap(), "msg-2");
+    assert!(
+        started.elapsed() < PROMPT,
+        "the retry waited {:?}",
+        started.elapsed()
+    );
+}
+
+#[derive(Debug, PartialEq)]
+struct Declined(String);
+
+impl From<Error> for Declined {
+    fn from(error: Error) -> Declined {
+        Declined(error.to_string())
+    }
+}
+
+#[idempotent(lease = "60s", at_most_once, on_cancel = "abort", skip = [provider])]
+async fn declined(provider: Provider, cents: u64) -> Result<String, Declined> {
+    provider.deliver();
+    Err(Declined(format!("{cents}: card declined")))
+}
+
+#[tokio::test]
+async fn a_call_dropped_while_its_release_is_out_is_still_released() {
+    let store = Slow {
+        release_delay: Duration::from_millis(300),
+        ..Slow::default()
+    };
+    let run = Run::new("agent-run").with_store(store);
+    let provider = Provider::default();
+    // The body returns `Err`, which releases the key; the caller gives up while the
+    // release is out. The key must be released all the same (not left unknown, though
+    // the tool is at-most-once: an `Err` releases).
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(declined(provider.clone(), 500)),
+    )
+    .await;
+    assert!(dropped.is_err());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let retry = run.scope(declined(provider.clone(), 500)).await;
+    assert_eq!(
+        retry.unwrap_err(),
+        Declined("500: card declined".into()),
+        "the retry ran again"
+    );
+    assert!(
+        started.elapsed() < PROMPT,
+        "the retry waited {:?}",
+        started.elapsed()
+    );
+    assert_eq!(provider.delivered(), 2);
+}
+
+fn a_runtime_dropped_under_a_finishing_body(store: impl idem::Store + Clone) {
+    for at_most_once in [false, true] {
+        let run = Run::new(format!("runtime-drop-{at_most_once}")).with_store(store.clone());
+        let provider = Provider::default();
+        let first = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        first.block_on(async {
+            let call = async {
+                if at_most_once {
+                    charge_borrowing(&provider, 1).await
+                } else {
+                    send_email(provider.clone(), "ada".into(), Duration::from_secs(2)).await
+                }
+            };
+            let dropped = tokio::time::timeout(Duration::from_millis(200), run.scope(call)).await;
+            assert!(dropped.is_err());
+        });
+        // The runtime goes, and with it the body running on it; the process lives on.
+        drop(first);
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let started = Instant::now();
+        let retry = second.block_on(async {
+            if at_most_once {
+                run.scope(charge_borrowing(&provider, 1)).await
+            } else {
+                run.scope(send_email(provider.clone(), "ada".into(), Duration::ZERO))
+                    .await
+            }
+        });
+        assert!(
+            started.elapsed() < PROMPT,
+            "the retry waited {:?}",
+            started.elapsed()
+        );
+        match at_most_once {
+            false => assert_eq!(
+                retry.unwrap(),
+                "msg-2",
+                "the dropped body is settled: runs again"
+            ),
+            true => assert!(
+                matches!(retry, Err(Error::OutcomeUnknown { .. })),
+                "{retry:?}"
+            ),
+        }
+    }
+}
+
+#[test]
+fn a_runtime_dropped_under_a_finishing_body_settles_its_claim_on_memory() {
+    a_runtime_dropped_under_a_finishing_body(MemoryStore::new());
+}
+
+#[test]
+fn a_runtime_dropped_under_a_finishing_body_settles_its_claim_on_sled() {
+    let dir = tempfile::tempdir().unwrap();
+    a_runtime_dropped_under_a_finishing_body(idem::SledStore::open(dir.path()).unwrap());
+}
+
+/// Blocks its thread (wrongly, but it happens) for four times its lease.
+#[idempotent(lease = "300ms", skip = [provider])]
+async fn blocks_its_thread(provider: Provider, id: u32) -> Result<String, Error> {
+    let n = provider.deliver();
+    tokio::task::yield_now().await;
+    std::thread::sleep(Duration::from_millis(1200));
+    Ok(n)
+}
+
+/// The same tool, for a duplicate that does not wait.
+#[idempotent(name = "blocks_its_thread", lease = "300ms", fail_fast, skip = [provider])]
+async fn blocks_its_thread_fail_fast(provider: Provider, id: u32) -> Result<String, Error> {
+    let n = provider.deliver();
+    std::thread::sleep(Duration::from_millis(1200));
+    Ok(n)
+}
+
+#[test]
+fn a_body_that_blocks_its_thread_keeps_its_claim() {
+    let (run, provider) = (run(), Provider::default());
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(run.scope(blocks_its_thread(provider.clone(), 1)))
+        });
+        std::thread::sleep(Duration::from_millis(700));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let duplicate =
+            runtime.block_on(run.scope(blocks_its_thread_fail_fast(provider.clone(), 1)));
+        assert!(
+            matches!(duplicate, Err(Error::InProgress { .. })),
+            "{duplicate:?}"
+        );
+        assert_eq!(first.join().unwrap().unwrap(), "msg-1", "no LostLease");
+    });
+    assert_eq!(provider.delivered(), 1);
+}
+
+#[async_trait::async_trait]
+trait Notify {
+    async fn notify(&self, to: String) -> Result<String, Error>;
+}
+
+struct Notifier {
+    provider: Provider,
+}
+
+/// Notifications really sent by `Notifier::notify`.
+static NOTIFICATIONS: AtomicUsize = AtomicUsize::new(0);
+
+#[async_trait::async_trait]
+impl Notify for Notifier {
+    /// Uses nothing of `self`: it finishes when its caller stops waiting.
+    #[idempotent(name = "notifier_notify", lease = "60s")]
+    async fn notify(&self, to: String) -> Result<String, Error> {
+        let n = NOTIFICATIONS.fetch_add(1, Ordering::SeqCst) + 1;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(format!("notified {to}, message {n}"))
+    }
+}
+
+#[tokio::test]
+async fn an_async_trait_method_that_owns_what_it_uses_finishes_by_default() {
+    let run = run();
+    let notifier = Notifier {
+        provider: Provider::default(),
+    };
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(notifier.notify("ada".into())),
+    )
+    .await;
+    assert!(dropped.is_err());
+    // The dropped call finished alone: its result answers the retry.
+    let retry = run.scope(notifier.notify("ada".into())).await;
+    assert_eq!(retry.unwrap(), "notified ada, message 1");
+    assert_eq!(notifier.provider.delivered(), 0);
+    assert_eq!(NOTIFICATIONS.load(Ordering::SeqCst), 1, "one notification");
+}
+
+/// A tool object that counts how often it is cloned.
+#[derive(Default)]
+struct Counted {
+    clones: Arc<AtomicUsize>,
+    provider: Provider,
+}
+
+impl Clone for Counted {
+    fn clone(&self) -> Self {
+        self.clones.fetch_add(1, Ordering::SeqCst);
+        Counted {
+            clones: self.clones.clone(),
+            provider: self.provider.clone(),
+        }
+    }
+}
+
+impl Counted {
+    #[idempotent(lease = "60s", on_cancel = "finish")]
+    async fn send(&self, to: &str) -> Result<String, Error> {
+        Ok(format!("{} to {to}", self.provider.deliver()))
+    }
+}
+
+#[tokio::test]
+async fn on_cancel_finish_copies_self_only_when_the_body_runs() {
+    let (run, tool) = (run(), Counted::default());
+    for _ in 0..10 {
+        assert_eq!(run.scope(tool.send("ada")).await.unwrap(), "msg-1 to ada");
+    }
+    assert_eq!(
+        tool.clones.load(Ordering::SeqCst),
+        1,
+        "one clone, for the one run"
+    );
+}

@@ -130,8 +130,8 @@ pub enum Error {
 
     /// The operation's result (or error, when errors are cached) cannot be serialized, so
     /// it cannot be stored. The body has run. At-least-once tools release the key;
-    /// at-most-once tools keep the claim, so a retry gets [`Error::OutcomeUnknown`].
-    /// Change the result type so it serializes.
+    /// at-most-once tools record the outcome as unknown, so a retry gets
+    /// [`Error::OutcomeUnknown`] at once. Change the result type so it serializes.
     #[error("result for key `{key}` cannot be serialized for storage: {source}")]
     Output {
         /// The idempotency key.
@@ -143,9 +143,9 @@ pub enum Error {
 
     /// The tool's result is larger than the store takes ([`Store::max_result_bytes`](crate::Store::max_result_bytes)),
     /// so it was not stored. The body has run. At-least-once tools release the key (a
-    /// retry runs again); at-most-once tools keep the claim, so a retry gets
-    /// [`Error::OutcomeUnknown`]. Return a reference to large data (an id, a URL)
-    /// instead of the data.
+    /// retry runs again); at-most-once tools record the outcome as unknown, so a retry
+    /// gets [`Error::OutcomeUnknown`] at once. Return a reference to large data (an id,
+    /// a URL) instead of the data.
     #[error(
         "result for key `{key}` is {size} bytes, over the store's limit of {limit}; it was not stored"
     )]

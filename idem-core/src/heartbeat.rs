@@ -3,23 +3,25 @@
 //! process's claim runs out.
 //!
 //! One process-wide thread (`idem-heartbeat`) keeps the time, sleeping until the next
-//! thing is due; it serves two kinds of bodies:
+//! thing is due. It renews the claims of running bodies itself ([`Beat`]), whatever
+//! their task is doing: an async body that blocks its thread, or waits behind another
+//! task on a busy current-thread runtime, keeps its claim as a sync body does. A renewal
+//! is sent when due, counted from when the last one was sent. It is polled once on the
+//! heartbeat thread, where the in-process stores complete it, and a network store's
+//! renewal then goes on on the body's runtime (see [`crate::background`]).
 //!
-//! - An async body is polled together with its renewals ([`drive`]): the thread only
-//!   wakes the body's task when a renewal is due, and the renewal runs in that task (so
-//!   a network store's renewal runs on the caller's runtime). No tokio timer is needed,
-//!   so this works on any executor. A body that finishes before it first waits costs
-//!   nothing; one that waits costs one entry in the thread's queue, and no store round
-//!   trip until its first renewal is due. At `max_run` the body is stopped; a renewal
-//!   that finds the claim taken over stops it too.
-//! - A sync body blocks its thread: the heartbeat thread renews its claim itself
-//!   ([`Beat`]). It cannot stop the body; at `max_run` it stops renewing.
+//! The thread also tells an async body when to stop ([`drive`]): at `max_run`, or when a
+//! renewal found its claim taken over. A body that finishes before it first waits costs
+//! nothing; one that waits registers once with the thread, and costs no store round trip
+//! until its first renewal is due. A sync body cannot be stopped from outside: at
+//! `max_run` its renewals stop. The thread is also the timer waits sleep on
+//! ([`sleep_until`]), so nothing here needs tokio's timer.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
@@ -28,7 +30,7 @@ use crate::error::Human;
 use crate::options::Options;
 use crate::record::Token;
 use crate::store::{Fenced, Store};
-use crate::Key;
+use crate::{background, Error, Key};
 
 /// How soon a renewal is tried again after the store failed to answer one.
 fn retry_after(every: Duration) -> Duration {
@@ -37,7 +39,7 @@ fn retry_after(every: Duration) -> Duration {
 
 /// The claim a heartbeat renews.
 pub(crate) struct Lease<'a> {
-    pub(crate) store: &'a dyn Store,
+    pub(crate) store: &'a Arc<dyn Store>,
     pub(crate) key: &'a Key,
     pub(crate) tool: &'a str,
     pub(crate) token: Token,
@@ -54,66 +56,167 @@ pub(crate) enum Ran<T> {
     Lost,
 }
 
-/// Polls `body` to the end while renewing its claim (see the module docs).
+/// Polls `body` to the end while the heartbeat thread renews its claim; stops it at
+/// `max_run`, or when a renewal finds the claim gone (see the module docs).
 pub(crate) async fn drive<F: Future>(mut body: Pin<&mut F>, lease: &Lease<'_>) -> Ran<F::Output> {
-    let every = lease.options.renew_every();
-    let started = Instant::now();
-    let deadline = started.checked_add(lease.options.max_run);
-    let mut next = started + every;
-    let mut alarm = Alarm::default();
-    let mut renewal: Option<Pin<Box<dyn Future<Output = _> + Send + '_>>> = None;
+    let mut beat: Option<Beat> = None;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(output) = body.as_mut().poll(cx) {
             return Poll::Ready(Ran::Finished(output));
         }
-        loop {
-            if let Some(renewing) = renewal.as_mut() {
-                let Poll::Ready(renewed) = renewing.as_mut().poll(cx) else {
-                    return Poll::Pending;
-                };
-                renewal = None;
-                next = match renewed {
-                    Ok(Fenced::Applied) => Instant::now() + every,
-                    Ok(Fenced::LostLease) => {
-                        tracing::warn!(tool = lease.tool, key = %lease.key, "idem: the claim was taken over or removed while the body ran; stopping the body");
-                        return Poll::Ready(Ran::Lost);
-                    }
-                    Err(error) => {
-                        tracing::warn!(tool = lease.tool, key = %lease.key, %error, "idem: could not renew the claim; trying again");
-                        Instant::now() + retry_after(every)
-                    }
-                };
-            }
-            let now = Instant::now();
-            if deadline.is_some_and(|deadline| now >= deadline) {
-                return Poll::Ready(Ran::OverMaxRun);
-            }
-            if now < next {
-                let wake_at = deadline.map_or(next, |deadline| next.min(deadline));
-                // Without a heartbeat thread, the claim is not renewed (logged once).
-                alarm.set(wake_at, cx.waker());
-                return Poll::Pending;
-            }
-            renewal = Some(lease.store.renew(
-                lease.key,
-                lease.token,
-                lease.options.lease,
-                lease.options.ttl,
-            ));
+        // The body waits: from now on the heartbeat thread renews its claim.
+        let beat = beat.get_or_insert_with(|| Beat::start(lease));
+        match beat.watch(cx.waker()) {
+            BeatState::Running => Poll::Pending,
+            BeatState::OverMaxRun => Poll::Ready(Ran::OverMaxRun),
+            BeatState::Lost => Poll::Ready(Ran::Lost),
         }
     })
     .await
 }
 
-/// Wakes a task at a given time, from the heartbeat thread. Dropped, it wakes no one.
-#[derive(Default)]
-struct Alarm {
-    slot: Option<Arc<AlarmSlot>>,
+/// Where a claim the heartbeat thread renews stands.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum BeatState {
+    Running,
+    OverMaxRun,
+    Lost,
 }
 
-struct AlarmSlot {
-    /// The waker and the time it is due, `None` once the alarm is dropped.
-    due: Mutex<Option<(Instant, Waker)>>,
+const RUNNING: u8 = 0;
+const OVER_MAX_RUN: u8 = 1;
+const LOST: u8 = 2;
+/// The body ended: nothing more to renew.
+const ENDED: u8 = 3;
+
+/// A claim renewed by the heartbeat thread while this handle lives.
+pub(crate) struct Beat {
+    entry: Option<Arc<Entry>>,
+}
+
+struct Entry {
+    store: Arc<dyn Store>,
+    key: Key,
+    tool: String,
+    token: Token,
+    lease: Duration,
+    ttl: Duration,
+    every: Duration,
+    deadline: Option<Instant>,
+    max_run: Duration,
+    /// The runtime the body runs on, where a renewal that must wait goes on.
+    runtime: Option<tokio::runtime::Handle>,
+    state: AtomicU8,
+    /// The async body's task, woken when it must stop.
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Beat {
+    /// Starts renewing the claim `lease` describes, on the heartbeat thread.
+    pub(crate) fn start(lease: &Lease<'_>) -> Beat {
+        let Some(timer) = timer() else {
+            return Beat { entry: None };
+        };
+        let options = lease.options;
+        let now = Instant::now();
+        let entry = Arc::new(Entry {
+            store: Arc::clone(lease.store),
+            key: lease.key.clone(),
+            tool: lease.tool.to_owned(),
+            token: lease.token,
+            lease: options.lease,
+            ttl: options.ttl,
+            every: options.renew_every(),
+            deadline: now.checked_add(options.max_run),
+            max_run: options.max_run,
+            runtime: tokio::runtime::Handle::try_current().ok(),
+            state: AtomicU8::new(RUNNING),
+            waker: Mutex::new(None),
+        });
+        timer.schedule(entry.next(now), Job::Renew(Arc::clone(&entry)));
+        Beat { entry: Some(entry) }
+    }
+
+    /// Where the claim stands; `waker` is woken when that changes.
+    fn watch(&self, waker: &Waker) -> BeatState {
+        let Some(entry) = &self.entry else {
+            return BeatState::Running;
+        };
+        {
+            let mut slot = entry.waker.lock().unwrap_or_else(PoisonError::into_inner);
+            match &mut *slot {
+                Some(current) if current.will_wake(waker) => {}
+                other => *other = Some(waker.clone()),
+            }
+        }
+        // Read after the waker is in place, so a change in between is not missed.
+        match entry.state.load(AtomicOrdering::SeqCst) {
+            OVER_MAX_RUN => BeatState::OverMaxRun,
+            LOST => BeatState::Lost,
+            _ => BeatState::Running,
+        }
+    }
+}
+
+impl Drop for Beat {
+    fn drop(&mut self) {
+        if let Some(entry) = &self.entry {
+            // Its queue slot goes when it comes due.
+            entry.state.store(ENDED, AtomicOrdering::SeqCst);
+        }
+    }
+}
+
+impl Entry {
+    /// When to look at this claim next: its next renewal, or its deadline if sooner.
+    fn next(&self, after: Instant) -> Instant {
+        let renewal = after + self.every;
+        self.deadline
+            .map_or(renewal, |deadline| renewal.min(deadline))
+    }
+
+    /// Moves a running claim to `state` and wakes its body.
+    fn stop(&self, state: u8) {
+        if self
+            .state
+            .compare_exchange(
+                RUNNING,
+                state,
+                AtomicOrdering::SeqCst,
+                AtomicOrdering::SeqCst,
+            )
+            .is_ok()
+        {
+            let waker = self
+                .waker
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(waker) = waker {
+                waker.wake();
+            }
+        }
+    }
+
+    /// What a renewal found.
+    fn renewed(self: &Arc<Self>, renewed: Result<Fenced, Error>) {
+        match renewed {
+            Ok(Fenced::Applied) => {}
+            Ok(Fenced::LostLease) => {
+                if self.state.load(AtomicOrdering::SeqCst) == RUNNING {
+                    tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; stopping it");
+                }
+                self.stop(LOST);
+            }
+            Err(error) => {
+                tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again");
+                if let Some(timer) = timer() {
+                    let soon = Instant::now() + retry_after(self.every);
+                    timer.schedule(soon, Job::Renew(Arc::clone(self)));
+                }
+            }
+        }
+    }
 }
 
 /// Completes at `at` or later, woken by the heartbeat thread: a timer that needs no
@@ -133,6 +236,17 @@ pub(crate) async fn sleep_until(at: Instant) {
         Poll::Pending
     })
     .await
+}
+
+/// Wakes a task at a given time, from the heartbeat thread. Dropped, it wakes no one.
+#[derive(Default)]
+struct Alarm {
+    slot: Option<Arc<AlarmSlot>>,
+}
+
+struct AlarmSlot {
+    /// The waker and the time it is due, `None` once the alarm is dropped.
+    due: Mutex<Option<(Instant, Waker)>>,
 }
 
 impl Alarm {
@@ -187,69 +301,11 @@ impl AlarmSlot {
     }
 }
 
-/// A sync body's claim, renewed by the heartbeat thread while this handle lives.
-pub(crate) struct Beat {
-    entry: Option<Arc<Entry>>,
-}
-
-struct Entry {
-    store: Arc<dyn Store>,
-    key: Key,
-    tool: String,
-    token: Token,
-    lease: Duration,
-    ttl: Duration,
-    every: Duration,
-    deadline: Option<Instant>,
-    max_run: Duration,
-    /// A multi-threaded runtime to renew on (network stores need one); otherwise the
-    /// renewal runs on the renewer thread.
-    runtime: Option<tokio::runtime::Handle>,
-    stopped: AtomicBool,
-}
-
-impl Beat {
-    /// Starts renewing the claim `lease` describes, on the heartbeat thread.
-    pub(crate) fn start(store: &Arc<dyn Store>, lease: &Lease<'_>) -> Beat {
-        let Some(timer) = timer() else {
-            return Beat { entry: None };
-        };
-        let runtime = tokio::runtime::Handle::try_current()
-            .ok()
-            .filter(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        let options = lease.options;
-        let entry = Arc::new(Entry {
-            store: Arc::clone(store),
-            key: lease.key.clone(),
-            tool: lease.tool.to_owned(),
-            token: lease.token,
-            lease: options.lease,
-            ttl: options.ttl,
-            every: options.renew_every(),
-            deadline: Instant::now().checked_add(options.max_run),
-            max_run: options.max_run,
-            runtime,
-            stopped: AtomicBool::new(false),
-        });
-        timer.schedule(Instant::now() + entry.every, Job::Renew(Arc::clone(&entry)));
-        Beat { entry: Some(entry) }
-    }
-}
-
-impl Drop for Beat {
-    fn drop(&mut self) {
-        if let Some(entry) = &self.entry {
-            // Its queue slot goes when it comes due.
-            entry.stopped.store(true, AtomicOrdering::SeqCst);
-        }
-    }
-}
-
 /// What the heartbeat thread does when something comes due.
 enum Job {
-    /// Wake an async body's task, whose renewal is due.
+    /// Wake a task whose alarm is due.
     Wake(Arc<AlarmSlot>),
-    /// Renew a sync body's claim.
+    /// Renew a running body's claim (or stop it at its deadline).
     Renew(Arc<Entry>),
 }
 
@@ -326,16 +382,13 @@ impl Timer {
         queue.seq += 1;
         let seq = queue.seq;
         queue.heap.push(Due { at, seq, job });
-        // Wake the thread only if it would otherwise sleep past this renewal.
+        // Wake the thread only if it would otherwise sleep past this job.
         if queue.wakes_at.is_none_or(|wakes| at < wakes) {
             self.wake.notify_one();
         }
     }
 
     fn run(&self) {
-        // Network stores cannot be driven from this thread: mark it as blocking, so they
-        // answer with an error instead of waiting on a runtime that is not here.
-        crate::protocol::mark_blocking();
         let mut queue = self.lock();
         loop {
             let now = Instant::now();
@@ -376,65 +429,29 @@ impl Timer {
         }
     }
 
-    /// Renews `entry`'s claim; returns when to renew it next, if ever.
+    /// Renews `entry`'s claim, or stops its body at its deadline; returns when to look
+    /// at it next, if ever.
     fn renew(&self, entry: &Arc<Entry>) -> Option<Instant> {
-        if entry.stopped.load(AtomicOrdering::SeqCst) {
+        if entry.state.load(AtomicOrdering::SeqCst) != RUNNING {
             return None;
         }
         let now = Instant::now();
         if entry.deadline.is_some_and(|deadline| now >= deadline) {
             tracing::warn!(tool = %entry.tool, key = %entry.key, max_run = %Human(entry.max_run), "idem: the body ran past its max_run; its claim is no longer renewed");
+            entry.stop(OVER_MAX_RUN);
             return None;
         }
-        match &entry.runtime {
-            Some(runtime) => {
-                // On the runtime, so a slow store holds up no other claim's renewal.
-                let spawned = Arc::clone(entry);
-                runtime.spawn(async move {
-                    let renewed = spawned
-                        .store
-                        .renew(&spawned.key, spawned.token, spawned.lease, spawned.ttl)
-                        .await;
-                    spawned.outcome(renewed);
-                });
-                Some(now + entry.every)
-            }
-            None => {
-                let renewed = pollster::block_on(entry.store.renew(
-                    &entry.key,
-                    entry.token,
-                    entry.lease,
-                    entry.ttl,
-                ));
-                let ok = entry.outcome(renewed)?;
-                Some(
-                    Instant::now()
-                        + if ok {
-                            entry.every
-                        } else {
-                            retry_after(entry.every)
-                        },
-                )
-            }
-        }
-    }
-}
-
-impl Entry {
-    /// Logs a renewal's outcome; `None` once the claim is lost, else whether it renewed.
-    fn outcome(&self, renewed: Result<Fenced, crate::Error>) -> Option<bool> {
-        match renewed {
-            Ok(Fenced::Applied) => Some(true),
-            Ok(Fenced::LostLease) => {
-                if !self.stopped.swap(true, AtomicOrdering::SeqCst) {
-                    tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; its result will not be stored");
-                }
-                None
-            }
-            Err(error) => {
-                tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again");
-                Some(false)
-            }
-        }
+        let renewing = Arc::clone(entry);
+        background::detach(
+            async move {
+                let renewed = renewing
+                    .store
+                    .renew(&renewing.key, renewing.token, renewing.lease, renewing.ttl)
+                    .await;
+                renewing.renewed(renewed);
+            },
+            entry.runtime.as_ref(),
+        );
+        Some(entry.next(now))
     }
 }

@@ -23,13 +23,25 @@
 //!    fast with [`Error::InProgress`]. Lease expired: take over and run
 //!    ([`Delivery::AtLeastOnce`](crate::Delivery)) or [`Error::OutcomeUnknown`]
 //!    ([`Delivery::AtMostOnce`](crate::Delivery)).
-//! 2. **Run** the operation once, with [`current_key`](crate::current_key) set.
-//! 3. `Ok`: **complete** the key with the serialized value (fenced by the token; a
-//!    stale owner gets [`Error::LostLease`]). `Err`: **release** the key so a retry runs
-//!    again, or, with [`CacheErrors`], store the error for replay.
+//! 2. **Run** the operation once, with [`current_key`](crate::current_key) set, renewing
+//!    the claim every third of its lease while it runs (the heartbeat), up to `max_run`.
+//! 3. `Ok`: **complete** the key with the serialized value (fenced by the token; an
+//!    owner whose claim was taken over gets [`Error::LostLease`]). `Err`: **release** the
+//!    key so a retry runs again, or, with [`CacheErrors`], store the error for replay.
 //!
-//! The protocol holds no lock while the operation runs. A call whose future is dropped
-//! mid-operation leaves its claim in place until the lease expires, as a crash does.
+//! The protocol holds no lock while the operation runs. A call settles its claim
+//! whatever happens to it:
+//!
+//! - dropped by its caller mid-operation: [`execute_finishing`] runs the operation on to
+//!   its end in a task of its own; [`execute`] drops it and settles the claim at once;
+//! - the operation panics: the claim is settled at once, then the panic goes on;
+//! - the operation runs past `max_run`: it is stopped, the claim settled, and the caller
+//!   gets [`Error::MaxRunExceeded`].
+//!
+//! To settle is to follow the delivery policy: at-least-once releases the claim (a
+//! retry runs at once), at-most-once gives it up as abandoned (a retry gets
+//! [`Error::OutcomeUnknown`] at once). Only a process that dies leaves its claim to run
+//! out, one lease after its last renewal.
 
 use std::any::Any;
 use std::future::Future;
@@ -43,6 +55,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tracing::Instrument;
 
+use crate::background;
 use crate::error::Human;
 use crate::heartbeat::{self, Beat, Lease, Ran};
 use crate::options::{Delivery, Options};
@@ -317,12 +330,16 @@ where
 /// client) while the operation runs, the operation goes on in a tokio task to its end,
 /// its outcome is recorded as usual, and a retry gets that outcome as soon as it is in.
 ///
+/// `operation` makes the operation's future; it is called only when this call owns the
+/// key, so a replay makes no copies of what the operation would own.
+///
 /// The task keeps the caller's ambient [`Run`] and `tracing` span; other task-locals of
-/// the caller's are not carried over. Outside a tokio runtime there is nowhere to finish,
-/// and a dropped call is settled as [`execute`] settles it.
+/// the caller's are not carried over. It runs on the runtime the call started on, even
+/// if the call is dropped elsewhere; outside any tokio runtime there is nowhere to
+/// finish, and a dropped call is settled as [`execute`] settles it.
 pub async fn execute_finishing<R, C, Fut>(
     call: Result<Call, Error>,
-    operation: Fut,
+    operation: impl FnOnce() -> Fut,
 ) -> Result<R, Error>
 where
     R: ToolOutput + Send + 'static,
@@ -336,15 +353,16 @@ where
         Acquired::Replay(output) => return Ok(output),
         Acquired::Owner(owner) => owner,
     };
-    if tokio::runtime::Handle::try_current().is_err() {
-        return own::<R, C, _>(&call, &owner, operation).await;
-    }
-    let operation = crate::run::keep_ambient_run(operation);
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return own::<R, C, _>(&call, &owner, operation()).await;
+    };
+    let operation = crate::run::keep_ambient_run(operation());
     let key = call.key.clone();
     let life = async move { own::<R, C, _>(&call, &owner, operation).await };
     Finishing {
         life: Some(Box::pin(life.instrument(tracing::Span::current()))),
         key,
+        runtime,
     }
     .await
 }
@@ -361,12 +379,13 @@ where
 pub trait FinishesAlone: Future + Send + 'static {}
 impl<F: Future + Send + 'static> FinishesAlone for F {}
 
-/// An owner's call, run by [`execute_finishing`]: finished in a task of its own if the
-/// caller drops it.
+/// An owner's call, run by [`execute_finishing`]: finished in a task of its own, on the
+/// runtime the call started on, if the caller drops it.
 struct Finishing<R: Send + 'static> {
     /// The owner's part of the call, until it ends.
     life: Option<Life<R>>,
     key: Key,
+    runtime: tokio::runtime::Handle,
 }
 
 /// The owner's part of a call ([`own`]), boxed so it can move to a task of its own.
@@ -401,25 +420,21 @@ impl<R: Send + 'static> Drop for Finishing<R> {
             return;
         };
         let key = self.key.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                tracing::debug!(%key, "idem: the caller stopped waiting; the body runs on and its outcome will answer the retry");
-                runtime.spawn(async move {
-                    match life.await {
-                        Ok(_) => tracing::debug!(%key, "idem: a body whose caller stopped waiting finished; its outcome is recorded"),
-                        Err(error) => tracing::warn!(%key, %error, "idem: a body whose caller stopped waiting ended with an error"),
-                    }
-                });
+        tracing::debug!(%key, "idem: the caller stopped waiting; the body runs on and its outcome will answer the retry");
+        // A runtime shutting down drops the task, and with it the body: its claim is
+        // then settled as `execute` settles it.
+        drop(self.runtime.spawn(async move {
+            match life.await {
+                Ok(_) => tracing::debug!(%key, "idem: a body whose caller stopped waiting finished; its outcome is recorded"),
+                Err(error) => tracing::warn!(%key, %error, "idem: a body whose caller stopped waiting ended with an error"),
             }
-            // Nowhere to finish it: dropped, its claim is settled as `execute` settles it.
-            Err(_) => drop(life),
-        }
+        }));
     }
 }
 
 /// Runs a blocking operation at most once per key: [`execute`] for sync tools. Its claim
-/// is renewed by a heartbeat thread while it runs (a sync body cannot be stopped, so at
-/// `max_run` the renewals stop, and a takeover after the lease fences its result). A
+/// is renewed by the heartbeat thread while it runs (a sync body cannot be stopped, so
+/// at `max_run` the renewals stop, and a takeover after the lease fences its result). A
 /// panic in the operation settles the claim by the delivery policy, then goes on.
 ///
 /// Store calls block the current thread. The memory and sled stores work anywhere.
@@ -441,7 +456,7 @@ where
             Acquired::Owner(owner) => owner,
         };
         let guard = Settle::new(&call, &owner);
-        let beat = Beat::start(&owner.store, &owner.lease(&call));
+        let beat = Beat::start(&owner.lease(&call));
         let output = panic::catch_unwind(AssertUnwindSafe(|| {
             CURRENT_KEY.sync_scope(call.key.clone(), operation)
         }));
@@ -471,12 +486,6 @@ impl Drop for BlockingGuard {
         let previous = self.0;
         BLOCKING.with(|b| b.set(previous));
     }
-}
-
-/// Marks this thread as one that blocks for good (the heartbeat thread): network stores
-/// answer there with an error instead of waiting on tokio.
-pub(crate) fn mark_blocking() {
-    BLOCKING.with(|b| b.set(true));
 }
 
 #[cfg(any(feature = "postgres", feature = "redis"))]
@@ -511,7 +520,7 @@ struct Owner {
 impl Owner {
     fn lease<'a>(&'a self, call: &'a Call) -> Lease<'a> {
         Lease {
-            store: &*self.store,
+            store: &self.store,
             key: &call.key,
             tool: &call.tool,
             token: self.token,
@@ -552,7 +561,7 @@ where
         take_over_expired: call.options.delivery == Delivery::AtLeastOnce,
         retry_failed: !C::CACHES,
     };
-    let acquired = claim_loop::<R, C, P>(call, &**store, &request).await?;
+    let acquired = claim_loop::<R, C, P>(call, &store, &request).await?;
     Ok(match acquired {
         Some(replayed) => Acquired::Replay(replayed),
         None => Acquired::Owner(Owner {
@@ -581,10 +590,15 @@ fn replay_without_claim<R: ToolOutput>(
 
 /// Claims the key until the claim is decided: `Ok(None)` when this call owns it now,
 /// `Ok(Some(output))` to replay, or the error the claim found. A busy key is waited for
-/// ([`wait_for_owner`]).
+/// ([`Waiting`]).
+///
+/// A claim whose answer never came (the call was dropped while the request was out, or
+/// the store did not answer in time) may still have been applied: its token is then
+/// released in the background, so the key is not left held by nobody. No body ran
+/// under it, so it is released whatever the delivery policy.
 async fn claim_loop<R, C, P>(
     call: &Call,
-    store: &dyn Store,
+    store: &Arc<dyn Store>,
     request: &ClaimRequest,
 ) -> Result<Option<R>, Error>
 where
@@ -595,10 +609,13 @@ where
     let key = &call.key;
     let mut waiting = Waiting::new(call);
     loop {
-        match store.claim(key, request).await? {
+        let mut unanswered = Unsettled::new(call, store, request.token, Settling::Release);
+        let claim = (**store).claim(key, request).await?;
+        unanswered.disarm();
+        match claim {
             Claim::Acquired { took_over } => {
                 if took_over {
-                    tracing::info!(tool = %call.tool, %key, "idem: an earlier claim's lease ran out (its process died); taking over and running again");
+                    tracing::info!(tool = %call.tool, %key, "idem: an earlier claim ran out (its owner stopped renewing it); taking over and running again");
                 } else {
                     tracing::debug!(tool = %call.tool, %key, "idem: miss, running");
                 }
@@ -674,8 +691,8 @@ impl<'a> Waiting<'a> {
                 %key,
                 waited = %Human(waited),
                 claim_expires_in = %Human(lease_left),
-                "idem: waiting for another call that holds this key (its claim is renewed while it runs); \
-                 this call gets its result when it finishes"
+                "idem: waiting for another call that holds this key; this call gets its \
+                 result when it finishes (its claim expires unless its owner renews it)"
             );
         }
         // Listen before each claim, so a completion in between is not missed.
@@ -756,121 +773,149 @@ impl<F: Future + Unpin> Future for CatchUnwind<F> {
     }
 }
 
-/// The duty to settle an owned claim. Armed until the call recorded an outcome or
-/// settled the claim itself; dropped armed (the caller stopped waiting, or a panic
-/// unwound through the protocol), it settles the claim from a task of its own, at once.
-///
-/// Settling follows the delivery policy: at-least-once releases the claim, so a retry
-/// runs at once; at-most-once gives it up as abandoned (a zero-lease renewal), so a
-/// retry gets [`Error::OutcomeUnknown`] at once. Either way no caller in a live process
-/// waits out a lease, and waiters in this process are woken.
-struct Settle<'a> {
-    call: &'a Call,
-    owner: &'a Owner,
-    armed: bool,
+/// How a claim left without an outcome is settled.
+#[derive(Clone, Copy, Debug)]
+enum Settling {
+    /// Released, whatever the policy: no body ran under it, or the body failed
+    /// (returned `Err`, which releases the key).
+    Release,
+    /// By the delivery policy: at-least-once releases it, so a retry runs at once;
+    /// at-most-once gives it up as abandoned (a zero-lease renewal), so a retry gets
+    /// [`Error::OutcomeUnknown`] at once.
+    ByPolicy,
 }
 
-impl<'a> Settle<'a> {
-    fn new(call: &'a Call, owner: &'a Owner) -> Self {
-        Settle {
+/// A claim this call must settle if it ends without an outcome. Armed until the call
+/// recorded an outcome or its own settling write has landed; dropped armed (the caller
+/// stopped waiting, a panic unwound through the protocol, the call was dropped while
+/// its own settling write was out), it settles the claim in the background, at once
+/// (see [`crate::background`]), on the runtime the call ran on. Either way no caller in
+/// a live process waits out a lease, and waiters in this process are woken.
+struct Unsettled<'a> {
+    call: &'a Call,
+    store: &'a Arc<dyn Store>,
+    token: Token,
+    /// How to settle if dropped; `None` once there is nothing to settle.
+    settling: Option<Settling>,
+    runtime: Option<tokio::runtime::Handle>,
+}
+
+impl<'a> Unsettled<'a> {
+    fn new(call: &'a Call, store: &'a Arc<dyn Store>, token: Token, how: Settling) -> Self {
+        Unsettled {
             call,
-            owner,
-            armed: true,
+            store,
+            token,
+            settling: Some(how),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         }
     }
 
-    fn disarm(mut self) {
-        self.armed = false;
+    fn disarm(&mut self) {
+        self.settling = None;
     }
 
-    /// Settles the claim now.
-    async fn settle(mut self, why: &str) {
-        self.armed = false;
+    /// Settles the claim now; stays armed until that has landed.
+    async fn settle_now(&mut self, how: Settling, why: &str) {
+        self.settling = Some(how);
         settle(
-            &*self.owner.store,
+            &**self.store,
             &self.call.key,
             &self.call.tool,
-            self.owner.token,
+            self.token,
             &self.call.options,
+            how,
             why,
         )
         .await;
+        self.settling = None;
+    }
+}
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        let Some(how) = self.settling else {
+            return;
+        };
+        let store = Arc::clone(self.store);
+        let (key, tool) = (self.call.key.clone(), self.call.tool.clone());
+        let (token, options) = (self.token, self.call.options);
+        background::detach(
+            async move {
+                let why = "was dropped before recording an outcome";
+                settle(&*store, &key, &tool, token, &options, how, why).await
+            },
+            self.runtime.as_ref(),
+        );
+    }
+}
+
+/// The owner's duty to settle its claim: [`Unsettled`] by the delivery policy until the
+/// body's outcome is recorded.
+struct Settle<'a>(Unsettled<'a>);
+
+impl<'a> Settle<'a> {
+    fn new(call: &'a Call, owner: &'a Owner) -> Self {
+        Settle(Unsettled::new(
+            call,
+            &owner.store,
+            owner.token,
+            Settling::ByPolicy,
+        ))
+    }
+
+    fn disarm(mut self) {
+        self.0.disarm();
+    }
+
+    /// Settles the claim now, by the delivery policy.
+    async fn settle(mut self, why: &str) {
+        self.0.settle_now(Settling::ByPolicy, why).await;
     }
 
     /// Releases the claim now (a failed call, whatever the delivery policy).
     async fn release(mut self) {
-        self.armed = false;
-        let (call, key) = (self.call, &self.call.key);
-        match self.owner.store.release(key, self.owner.token).await {
-            Ok(Fenced::Applied) => {}
-            Ok(Fenced::LostLease) => {
-                tracing::debug!(tool = %call.tool, %key, "idem: release found the key taken over")
-            }
-            // The claim stays until its lease runs out; retries wait for that.
-            Err(error) => tracing::warn!(tool = %call.tool, %key, %error, "idem: release failed"),
-        }
-        wait::notify(key);
+        self.0
+            .settle_now(Settling::Release, "failed; its key is released for retries")
+            .await;
     }
 
     /// The body panicked: settles the claim, then lets the panic go on, unchanged.
     async fn panicked<T>(self, payload: Box<dyn Any + Send>) -> T {
-        tracing::error!(tool = %self.call.tool, key = %self.call.key, "idem: the body panicked; settling its claim");
+        tracing::error!(tool = %self.0.call.tool, key = %self.0.call.key, "idem: the body panicked; settling its claim");
         self.settle("panicked").await;
         panic::resume_unwind(payload)
     }
 }
 
-impl Drop for Settle<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let store = Arc::clone(&self.owner.store);
-        let (key, tool) = (self.call.key.clone(), self.call.tool.clone());
-        let (token, options) = (self.owner.token, self.call.options);
-        let settling = async move {
-            settle(
-                &*store,
-                &key,
-                &tool,
-                token,
-                &options,
-                "was dropped by its caller",
-            )
-            .await
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(settling)),
-            // No runtime (a sync tool, another executor): the in-process stores answer
-            // here; a network store reports that it cannot.
-            Err(_) => pollster::block_on(settling),
-        }
-    }
-}
-
-/// Settles a claim given up without an outcome, by the delivery policy (see [`Settle`]).
+/// Settles a claim left without an outcome (see [`Settling`]).
 async fn settle(
     store: &dyn Store,
     key: &Key,
     tool: &str,
     token: Token,
     options: &Options,
+    how: Settling,
     why: &str,
 ) {
-    let settled = match options.delivery {
-        Delivery::AtLeastOnce => store.release(key, token).await,
-        Delivery::AtMostOnce => store.renew(key, token, Duration::ZERO, options.ttl).await,
-    };
-    let outcome = match options.delivery {
-        Delivery::AtLeastOnce => "released: a retry runs again",
-        Delivery::AtMostOnce => "recorded as outcome unknown (at-most-once)",
+    let release = matches!(how, Settling::Release) || options.delivery == Delivery::AtLeastOnce;
+    let (settled, outcome) = if release {
+        (
+            store.release(key, token).await,
+            "released: a retry runs again",
+        )
+    } else {
+        (
+            store.renew(key, token, Duration::ZERO, options.ttl).await,
+            "recorded as outcome unknown (at-most-once)",
+        )
     };
     match settled {
         Ok(Fenced::Applied) => {
             tracing::info!(%tool, %key, "idem: a call {why}; its claim was {outcome}")
         }
         Ok(Fenced::LostLease) => {
-            tracing::debug!(%tool, %key, "idem: a call {why}; its claim was no longer its own")
+            tracing::debug!(%tool, %key, "idem: a call {why}; the key held no claim of its own")
         }
         Err(error) => {
             tracing::warn!(%tool, %key, %error, "idem: a call {why}, and its claim could not be settled; it holds until its lease runs out")
@@ -880,7 +925,7 @@ async fn settle(
 }
 
 /// Records the outcome of a body that ran to its end.
-async fn finish<R, C>(call: &Call, guard: Settle<'_>, output: R) -> Result<R, Error>
+async fn finish<R, C>(call: &Call, mut guard: Settle<'_>, output: R) -> Result<R, Error>
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
@@ -897,8 +942,9 @@ where
         Err(error) if C::CACHES => C::encode(key, error).map(Some),
         Err(_) => Ok(None),
     };
+    let store = guard.0.store;
     let stored = stored.and_then(|bytes| {
-        let limit = guard.owner.store.max_result_bytes();
+        let limit = store.max_result_bytes();
         match bytes {
             Some(bytes) if bytes.len() > limit => Err(Error::ResultTooLarge {
                 key: key.to_string(),
@@ -911,7 +957,6 @@ where
     let bytes = match stored {
         Ok(Some(bytes)) => bytes,
         Ok(None) => {
-            tracing::debug!(tool = %call.tool, %key, "idem: operation failed, releasing the key for retries");
             guard.release().await;
             return Ok(R::from_result(result));
         }
@@ -926,14 +971,14 @@ where
         Ok(_) => Outcome::Completed(&bytes),
         Err(_) => Outcome::Failed(&bytes),
     };
-    let owner = guard.owner;
-    let completed = owner
-        .store
-        .complete(key, owner.token, outcome, call.options.ttl)
+    // Armed while the completion is out: dropped there, the claim is settled (fenced: a
+    // no-op if the completion landed).
+    let completed = store
+        .complete(key, guard.0.token, outcome, call.options.ttl)
         .await;
     let fenced = match completed {
         Ok(fenced) => {
-            guard.disarm();
+            guard.0.disarm();
             fenced
         }
         Err(error) => {

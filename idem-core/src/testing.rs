@@ -868,7 +868,7 @@ pub async fn a_call_that_finishes_alone_answers_the_retry(store: Arc<dyn Store>)
                 Options::new().lease(LONG),
                 &"input",
             ),
-            async move {
+            move || async move {
                 let n = runs.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(SHORT * 2).await;
                 Ok(format!("value-{n}"))

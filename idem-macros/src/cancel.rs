@@ -7,7 +7,13 @@
 //! reference, a lifetime, `impl Trait`, a generic parameter, `Self`), and neither can
 //! its return type. `on_cancel = "finish"` also finishes a body that uses `&self` or a
 //! `&T` argument: it runs on a clone of `self` (`Self: Clone`) and on owned copies of
-//! those arguments (`T: ToOwned`), reborrowed under the same names.
+//! those arguments (`T: ToOwned`), reborrowed under the same names. The copies are made
+//! only when the call runs its body, not when it replays a result.
+//!
+//! A body another attribute boxed (`#[async_trait]`, rmcp's `#[tool]`: the function
+//! returns `Pin<Box<dyn Future<Output = T> + 'a>>`) is judged by `T`, and by its use of
+//! `self`, which `#[async_trait]` renames `__self` (binding it first, with `let __self =
+//! self;`, which does not count as a use).
 
 use proc_macro2::{Ident, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned};
@@ -33,7 +39,8 @@ pub struct Owned {
 pub const SELF: &str = "__idem_self";
 
 /// Decides what a dropped call of `func` does: `Ok(None)` to abort, `Ok(Some(owned))`
-/// to finish with what `owned` adds. `explicit` is the user's `on_cancel`, if any.
+/// to finish with what `owned` adds. `body` is the body that will run (`func`'s own, or
+/// the inner block of a boxed one); `explicit` is the user's `on_cancel`, if any.
 pub fn decide(
     func: &ItemFn,
     body: &Block,
@@ -49,14 +56,57 @@ pub fn decide(
     match explicit {
         Some((OnCancel::Abort, _)) => Ok(None),
         None => {
+            let output = match &func.sig.output {
+                ReturnType::Type(_, ty) => Some(boxed_output(ty).unwrap_or(ty)),
+                ReturnType::Default => None,
+            };
             let borrows = receiver_used(func, &used)
                 || typed_args(func).any(|(pat, ty)| {
                     may_borrow(ty, &generics) && bound_names(pat).iter().any(|n| used.has(n))
                 })
-                || matches!(&func.sig.output, ReturnType::Type(_, ty) if may_borrow(ty, &generics));
+                || output.is_some_and(|ty| may_borrow(ty, &generics));
             Ok((!borrows).then(Owned::default))
         }
         Some((OnCancel::Finish, span)) => make_owned(func, &used, span).map(Some),
+    }
+}
+
+/// `T` in `Pin<Box<dyn Future<Output = T> + ..>>`, the return type of a body another
+/// attribute boxed.
+fn boxed_output(ty: &Type) -> Option<&Type> {
+    let Type::Path(pin) = ty else { return None };
+    let last = pin.path.segments.last().filter(|s| s.ident == "Pin")?;
+    let boxed = only_type_argument(&last.arguments)?;
+    let Type::Path(boxed) = boxed else {
+        return None;
+    };
+    let last = boxed.path.segments.last().filter(|s| s.ident == "Box")?;
+    let Type::TraitObject(future) = only_type_argument(&last.arguments)? else {
+        return None;
+    };
+    future.bounds.iter().find_map(|bound| {
+        let syn::TypeParamBound::Trait(bound) = bound else {
+            return None;
+        };
+        let last = bound.path.segments.last().filter(|s| s.ident == "Future")?;
+        let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+            return None;
+        };
+        args.args.iter().find_map(|arg| match arg {
+            syn::GenericArgument::AssocType(assoc) if assoc.ident == "Output" => Some(&assoc.ty),
+            _ => None,
+        })
+    })
+}
+
+/// The one type argument of `Name<T>`.
+fn only_type_argument(arguments: &syn::PathArguments) -> Option<&Type> {
+    let syn::PathArguments::AngleBracketed(args) = arguments else {
+        return None;
+    };
+    match args.args.first() {
+        Some(syn::GenericArgument::Type(ty)) if args.args.len() == 1 => Some(ty),
+        _ => None,
     }
 }
 
@@ -119,6 +169,12 @@ fn make_owned(func: &ItemFn, used: &Mentions, span: Span) -> syn::Result<Owned> 
     Ok(owned)
 }
 
+/// Removes `#[async_trait]`'s `let __self = self;` from a finishing body that does not
+/// use `self`: left in, it would capture the borrowed `self` for nothing.
+pub fn forget_self(block: &mut Block) {
+    block.stmts.retain(|stmt| !is_self_rebinding(stmt));
+}
+
 /// Rewrites `self` in `block` to the reborrowed clone (see [`make_owned`]).
 pub fn rewrite_self(block: &mut Block) {
     ReplaceSelf.visit_block_mut(block);
@@ -168,6 +224,19 @@ fn replace_self_tokens(tokens: TokenStream) -> TokenStream {
         });
     }
     out.into_iter().collect()
+}
+
+/// Whether `stmt` is `let __self = self;`.
+fn is_self_rebinding(stmt: &syn::Stmt) -> bool {
+    let syn::Stmt::Local(local) = stmt else {
+        return false;
+    };
+    let binds = matches!(&local.pat, Pat::Ident(p) if p.ident == "__self");
+    let from_self = matches!(
+        local.init.as_ref().map(|init| &*init.expr),
+        Some(syn::Expr::Path(path)) if path.path.is_ident("self")
+    );
+    binds && from_self
 }
 
 /// The typed arguments: pattern and type.
@@ -254,7 +323,12 @@ impl Mentions {
             idents: Vec::new(),
             has_self: false,
         };
-        mentions.scan(quote!(#body));
+        for stmt in &body.stmts {
+            // `#[async_trait]`'s `let __self = self;` binds `self` without using it.
+            if !is_self_rebinding(stmt) {
+                mentions.scan(quote!(#stmt));
+            }
+        }
         mentions
     }
 
@@ -263,7 +337,7 @@ impl Mentions {
             match tree {
                 TokenTree::Ident(ident) => {
                     let text = ident.to_string();
-                    self.has_self |= text == "self";
+                    self.has_self |= text == "self" || text == "__self";
                     self.idents.push(text);
                 }
                 TokenTree::Group(group) => self.scan(group.stream()),
@@ -330,6 +404,28 @@ mod tests {
         ] {
             assert!(!decided(item), "{item}");
         }
+    }
+
+    #[test]
+    fn boxed_bodies_are_judged_by_their_output_and_their_use_of_self() {
+        // As `#[async_trait]` writes a method that never uses `self`.
+        let func: ItemFn = syn::parse_str(
+            "fn f<'life0, 'async_trait>(&'life0 self, input: String) \
+             -> Pin<Box<dyn Future<Output = Result<u32, E>> + Send + 'async_trait>> { \
+                 Box::pin(async move { let __self = self; let input = input; \
+                     let __ret: Result<u32, E> = { send(input) }; __ret }) }",
+        )
+        .unwrap();
+        let inner: Block = syn::parse_str(
+            "{ let __self = self; let input = input; let __ret: Result<u32, E> = { send(input) }; __ret }",
+        )
+        .unwrap();
+        assert!(decide(&func, &inner, None).unwrap().is_some());
+        let uses_self: Block = syn::parse_str(
+            "{ let __self = self; let input = input; let __ret: Result<u32, E> = { __self.send(input) }; __ret }",
+        )
+        .unwrap();
+        assert!(decide(&func, &uses_self, None).unwrap().is_none());
     }
 
     #[test]

@@ -154,45 +154,62 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         .on_cancel
         .as_ref()
         .map(|(choice, lit)| (*choice, lit.span()));
-    // Which runtime call: one that finishes a body its caller stopped waiting for, or one
-    // that settles its claim at once.
-    let execute = |owned: &Option<cancel::Owned>| match owned {
-        Some(_) => quote!(#private::execute_finishing),
-        None => quote!(#private::execute),
+    // Which runtime call: one that finishes a body its caller stopped waiting for (its
+    // body made by a closure, on the owner's path only), or one that settles its claim
+    // at once.
+    // Spanned at `span` (the return type, where the bounds' errors then point).
+    let execute = |owned: Option<cancel::Owned>,
+                   block: &mut Block,
+                   ret: &TokenStream,
+                   span: Span| match owned {
+        Some(owned) => {
+            if owned.rewrite_self {
+                cancel::rewrite_self(block);
+            } else {
+                cancel::forget_self(block);
+            }
+            let (prelude, reborrow) = (&owned.prelude, &owned.reborrow);
+            let stmts = &block.stmts;
+            quote_spanned!(span=> #private::execute_finishing::<#ret, #policy, _>(
+                #call_ident,
+                move || { #(#prelude)* async move { #(#reborrow)* #(#stmts)* } },
+            ))
+        }
+        None => {
+            let stmts = &block.stmts;
+            quote_spanned!(span=> #private::execute::<#ret, #policy, _>(
+                #call_ident,
+                async move { #(#stmts)* },
+            ))
+        }
     };
 
     if func.sig.asyncness.is_some() {
         let mut block = (*func.block).clone();
         let owned = cancel::decide(&func, &block, explicit)?;
-        let (prelude, reborrow) = owned_parts(&owned, &mut block);
-        let execute = execute(&owned);
-        let body = finish(quote_spanned!(ret.span()=>
-            #execute::<#ret, #policy, _>(#call_ident, async move { #(#reborrow)* #block }).await
-        ));
+        let executed = execute(owned, &mut block, &quote!(#ret), ret.span());
+        let body = finish(quote_spanned!(ret.span()=> #executed.await));
         *func.block = syn::parse_quote!({
             #run_source
             let #call_ident = #call;
-            #(#prelude)*
             #body
         });
-    } else if let Some(inner) = boxed_async_block(&mut func.block) {
+    } else if boxed_async_block(&mut func.block).is_some() {
         // `Box::pin(async move { .. })` from another attribute: wrap the inner block.
+        let signature = func_without_body(&func);
+        let Some(inner) = boxed_async_block(&mut func.block) else {
+            return Ok(quote!(#func));
+        };
         let mut block = Block {
             brace_token: inner.brace_token,
             stmts: std::mem::take(&mut inner.stmts),
         };
-        let owned = cancel::decide(&func_without_body(&func), &block, explicit)?;
-        let (prelude, reborrow) = owned_parts(&owned, &mut block);
-        let execute = execute(&owned);
-        let stmts = &block.stmts;
-        let body = finish(quote!(
-            #execute::<_, #policy, _>(#call_ident, async move { #(#reborrow)* #(#stmts)* }).await
-        ));
-        let inner = boxed_async_block(&mut func.block).expect("found above");
+        let owned = cancel::decide(&signature, &block, explicit)?;
+        let executed = execute(owned, &mut block, &quote!(_), Span::call_site());
+        let body = finish(quote!(#executed.await));
         inner.stmts = syn::parse_quote!(
             #run_source
             let #call_ident = #call;
-            #(#prelude)*
             #body
         );
     } else {
@@ -214,23 +231,6 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         });
     }
     Ok(quote!(#func))
-}
-
-/// What a finishing body adds: the copies made before the call, and the reborrows at the
-/// top of the body (whose `self` is rewritten when it runs on a clone).
-fn owned_parts(
-    owned: &Option<cancel::Owned>,
-    block: &mut Block,
-) -> (Vec<TokenStream>, Vec<TokenStream>) {
-    match owned {
-        Some(owned) => {
-            if owned.rewrite_self {
-                cancel::rewrite_self(block);
-            }
-            (owned.prelude.clone(), owned.reborrow.clone())
-        }
-        None => (Vec::new(), Vec::new()),
-    }
 }
 
 /// `func` with an empty body: its signature, for deciding about a body kept elsewhere.

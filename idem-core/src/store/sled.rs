@@ -24,6 +24,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -184,12 +185,17 @@ impl SledStore {
         self.inner.tree.is_empty()
     }
 
-    /// Makes every write this caller made so far durable. Concurrent callers share
-    /// flushes (group commit): see [`GroupCommit`].
+    /// Makes every write this caller made or saw so far durable. Concurrent callers
+    /// share flushes (group commit): see [`GroupCommit`].
     async fn flush(&self) -> Result<(), Error> {
+        self.flush_through(self.inner.commit.ticket()).await
+    }
+
+    /// Makes the writes up to `ticket` durable.
+    async fn flush_through(&self, ticket: u64) -> Result<(), Error> {
         self.inner
             .commit
-            .flush(&self.inner.tree, self.inner.fsync.as_ref())
+            .flush(ticket, &self.inner.tree, self.inner.fsync.as_ref())
             .await
     }
 
@@ -205,17 +211,23 @@ impl SledStore {
 
     /// Compare-and-swap loop: `decide` sees the current record and returns the record to
     /// write (or `None` to delete) and a result; retried until no concurrent writer
-    /// changed the key in between.
+    /// changed the key in between. Returns the result and, for a `durable` write that
+    /// was made, its ticket: the caller flushes through it ([`SledStore::flush_through`])
+    /// before going on. A durable write is announced to readers until it has its ticket
+    /// (see [`GroupCommit`]).
     fn update<T>(
         &self,
         key: &Key,
+        durable: bool,
         mut decide: impl FnMut(Option<&Record>, Timestamp) -> (T, Option<Option<Record>>),
-    ) -> Result<(T, bool), Error> {
+    ) -> Result<(T, Option<u64>), Error> {
+        let commit = &self.inner.commit;
+        let _writing = durable.then(|| commit.writing());
         loop {
             let current = self.read(key)?;
             let (result, write) = decide(current.as_ref().map(|(_, r)| r), Timestamp::now());
             let Some(new) = write else {
-                return Ok((result, false));
+                return Ok((result, None));
             };
             let old = current.map(|(bytes, _)| bytes);
             let new = new.map(|r| r.encode());
@@ -225,7 +237,7 @@ impl SledStore {
                 .compare_and_swap(key.as_str(), old, new)
                 .map_err(sled_error)?
             {
-                Ok(()) => return Ok((result, true)),
+                Ok(()) => return Ok((result, durable.then(|| commit.ticket()))),
                 Err(_) => continue,
             }
         }
@@ -240,14 +252,14 @@ impl SledStore {
         owner_write: OwnerWrite<'_>,
         durable: bool,
     ) -> Result<Fenced, Error> {
-        let (fenced, wrote) = self.update(key, |current, now| {
+        let (fenced, ticket) = self.update(key, durable, |current, now| {
             match decide_fenced(current, token, owner_write, now) {
                 Ok(write) => (Fenced::Applied, Some(write)),
                 Err(lost) => (lost, None),
             }
         })?;
-        if wrote && durable {
-            self.flush().await?;
+        if let Some(ticket) = ticket {
+            self.flush_through(ticket).await?;
         }
         Ok(fenced)
     }
@@ -256,18 +268,41 @@ impl SledStore {
 /// Group commit: one flush at a time, shared by every caller that wrote before it
 /// started.
 ///
-/// A caller takes a ticket after its write. If a flush that started after the ticket
-/// has finished, its write is durable; otherwise it waits for the running flush and
+/// A caller takes a ticket after its write (or after a read, to make what it read
+/// durable). If a flush that started after the ticket has finished, its write is durable; otherwise it waits for the running flush and
 /// then starts the next one itself, for everyone who came in meanwhile. So 64
 /// concurrent completions cost a few flushes, not 64.
 ///
 /// The flush runs on the calling thread (see [`flush_blocking`]), never on sled's own
 /// thread pool: sled 0.34's `flush_async` blocks pool threads waiting for writes that
 /// need those same threads, and many concurrent calls deadlock it.
+///
+/// A reader must not return an outcome that a crash could still take back (a duplicate
+/// that replayed a result whose completion is still flushing, and then the process
+/// dies: the result is gone, and the call runs again). So a durable write is announced
+/// before it is made ([`GroupCommit::writing`], until its ticket is taken), and a reader
+/// that found a record checks afterwards that every write it could have seen is durable
+/// ([`GroupCommit::settled`]): two atomic loads when nothing is being written, else the
+/// reader flushes like a writer.
 #[derive(Default)]
 struct GroupCommit {
     state: Mutex<CommitState>,
     done: event_listener::Event,
+    /// Durable writes under way whose ticket is not taken yet.
+    writing: AtomicU64,
+    /// The last ticket taken (`CommitState::issued`), for readers.
+    issued: AtomicU64,
+    /// Every ticket up to this one is durable (`CommitState::durable`), for readers.
+    durable: AtomicU64,
+}
+
+/// A durable write under way, until its ticket is taken.
+struct Writing<'a>(&'a GroupCommit);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        self.0.writing.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[derive(Default)]
@@ -281,16 +316,34 @@ struct CommitState {
 }
 
 impl GroupCommit {
+    /// Announces a durable write; drop the guard once the write's ticket is taken.
+    fn writing(&self) -> Writing<'_> {
+        self.writing.fetch_add(1, Ordering::SeqCst);
+        Writing(self)
+    }
+
+    /// Whether every durable write a reader could have seen so far is durable. Call it
+    /// after the read.
+    fn settled(&self) -> bool {
+        self.writing.load(Ordering::SeqCst) == 0
+            && self.durable.load(Ordering::SeqCst) >= self.issued.load(Ordering::SeqCst)
+    }
+
+    /// A ticket for every write made (or seen) so far.
+    fn ticket(&self) -> u64 {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.issued += 1;
+        self.issued.store(state.issued, Ordering::SeqCst);
+        state.issued
+    }
+
+    /// Returns once every write up to `ticket` is durable.
     async fn flush(
         &self,
+        ticket: u64,
         tree: &::sled::Tree,
         fsync: Option<&Arc<std::fs::File>>,
     ) -> Result<(), Error> {
-        let ticket = {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            state.issued += 1;
-            state.issued
-        };
         loop {
             let listener = self.done.listen();
             let target = {
@@ -339,6 +392,7 @@ impl Drop for Running<'_> {
             state.running = false;
             if self.durable {
                 state.durable = state.durable.max(self.target);
+                self.commit.durable.store(state.durable, Ordering::SeqCst);
             }
         }
         self.commit.done.notify(usize::MAX);
@@ -440,11 +494,16 @@ impl std::fmt::Debug for SledStore {
 #[async_trait]
 impl Store for SledStore {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
-        let (claim, wrote) = self.update(key, |current, now| {
+        let (claim, ticket) = self.update(key, true, |current, now| {
             let (claim, write) = decide_claim(current, request, now);
             (claim, write.map(Some))
         })?;
-        if wrote {
+        let replays = matches!(claim, Claim::Completed(_) | Claim::Failed(_));
+        if let Some(ticket) = ticket {
+            self.flush_through(ticket).await?;
+        } else if replays && !self.inner.commit.settled() {
+            // A replayed outcome may be one a concurrent call wrote and is still
+            // flushing: it is returned only once it is durable.
             self.flush().await?;
         }
         Ok(claim)
@@ -497,17 +556,26 @@ impl Store for SledStore {
         // A record that cannot be read is not replayed: the claim reports it.
         if let Ok(Some(bytes)) = self.inner.tree.get(key.as_str()) {
             if let Some(result) = Record::replayable_result(&bytes, fingerprint, now) {
-                replay(result);
+                // Only a durable result: one still being flushed is left to the claim,
+                // which waits for the flush.
+                if self.inner.commit.settled() {
+                    replay(result);
+                }
             }
         }
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         let now = Timestamp::now();
-        Ok(self
+        let record = self
             .read(key)?
             .map(|(_, r)| r)
-            .filter(|r| !r.is_expired(now)))
+            .filter(|r| !r.is_expired(now));
+        if record.is_some() && !self.inner.commit.settled() {
+            // What is returned is what a crash would leave.
+            self.flush().await?;
+        }
+        Ok(record)
     }
 
     async fn delete(&self, key: &Key) -> Result<bool, Error> {

@@ -1,0 +1,36 @@
+//! Store operations nobody awaits: a claim settled because its call was dropped, a
+//! renewal sent by the heartbeat thread.
+//!
+//! [`detach`] polls the operation once in place, then leaves the rest to the runtime it
+//! belongs to. The in-process stores do their work in that first poll (a memory store
+//! completely; sled writes the record there, and only its flush waits), so their part
+//! is done even when no task will ever run again: a runtime shutting down, a call
+//! dropped outside any runtime. A network store's operation runs on its runtime, the
+//! one its connection lives on.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Waker};
+
+/// Runs `operation` to its end without the caller waiting for it: one poll here (inside
+/// `runtime`'s context, if given), then the rest on `runtime`, or, without one, here.
+pub(crate) fn detach(
+    operation: impl Future<Output = ()> + Send + 'static,
+    runtime: Option<&tokio::runtime::Handle>,
+) {
+    let mut operation: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(operation);
+    let first = {
+        let _context = runtime.map(tokio::runtime::Handle::enter);
+        operation
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+    };
+    if first.is_ready() {
+        return;
+    }
+    match runtime {
+        // A runtime shutting down drops the task: what the first poll did stays done.
+        Some(runtime) => drop(runtime.spawn(operation)),
+        None => pollster::block_on(operation),
+    }
+}
