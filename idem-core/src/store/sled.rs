@@ -621,3 +621,65 @@ impl Store for SledStore {
         Ok(removed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::ClaimRequest;
+
+    /// A completed record that a crash could still take back (a durable write is under
+    /// way, not yet flushed) is not replayed without a claim; the claim replays it only
+    /// after a flush, and once nothing is pending the hit path answers again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_result_is_replayed_only_once_it_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(dir.path()).unwrap();
+        let key = Key::from_text("durable-replay");
+        let fingerprint = Fingerprint::from_bytes([3; 32]);
+        let request = |token| ClaimRequest {
+            fingerprint,
+            token,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            take_over_expired: true,
+            retry_failed: true,
+        };
+        let owner = Token::generate().unwrap();
+        store.claim(&key, &request(owner)).await.unwrap();
+        store
+            .complete(
+                &key,
+                owner,
+                Outcome::Completed(b"\"m-1\""),
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        let answers = |store: &SledStore| {
+            let mut answered = false;
+            store.with_completed_result(&key, &fingerprint, &mut |_| answered = true);
+            answered
+        };
+        assert!(answers(&store), "a flushed result is replayed at once");
+
+        // Another durable write is under way: what a reader sees may not be on disk.
+        let writing = store.inner.commit.writing();
+        assert!(!answers(&store), "replayed while a write was pending");
+        let flushes = || store.inner.commit.state.lock().unwrap().durable;
+        let before = flushes();
+        let ticket = store.inner.commit.ticket();
+        drop(writing);
+        let claim = store
+            .claim(&key, &request(Token::generate().unwrap()))
+            .await;
+        assert_eq!(claim.unwrap(), Claim::Completed(b"\"m-1\"".to_vec()));
+        assert!(
+            flushes() >= ticket && flushes() > before,
+            "the claim replayed without a flush"
+        );
+        assert!(
+            answers(&store),
+            "nothing pending: the hit path answers again"
+        );
+    }
+}
