@@ -36,6 +36,9 @@ struct Args {
     /// Only these stores (sled, postgres, redis); default: every one available.
     #[arg(long, value_delimiter = ',')]
     stores: Vec<String>,
+    /// Only these policies (at-least-once, at-most-once, downstream); default: all.
+    #[arg(long, value_delimiter = ',')]
+    policies: Vec<String>,
 }
 
 fn main() {
@@ -65,6 +68,14 @@ fn main() {
             .into_iter()
             .enumerate()
         {
+            let name = match policy {
+                Policy::AtLeastOnce => "at-least-once",
+                Policy::AtMostOnce => "at-most-once",
+                Policy::Downstream => "downstream",
+            };
+            if !args.policies.is_empty() && !args.policies.iter().any(|p| p == name) {
+                continue;
+            }
             let cell = Cell {
                 store: *store,
                 location: location.clone(),

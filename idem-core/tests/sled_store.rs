@@ -441,3 +441,43 @@ fn a_runtime_that_starts_no_blocking_thread_flushes_and_purges_in_place() {
         "the result did not survive reopening"
     );
 }
+
+/// A process killed while sled wrote a snapshot (sled writes one each time it opens a
+/// database) leaves `snap.<lsn>.generating`, which sled 0.34 then takes for the newest
+/// snapshot and refuses to open the database over, for good. The store clears it and
+/// opens, with every record kept.
+#[tokio::test]
+async fn a_store_left_with_an_unfinished_snapshot_opens_and_keeps_its_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem");
+    {
+        let run = Run::new("run-snap").with_store(SledStore::open(&path).unwrap());
+        assert_eq!(send(&run, "ada", "m-1").await.unwrap().unwrap(), "m-1");
+    }
+    // What a kill between creating the snapshot file and renaming it leaves behind.
+    drop(open_raw(&path));
+    std::fs::write(path.join("snap.FFFFFFFFFFFFFFFF.generating"), b"").unwrap();
+    match sled::open(&path) {
+        Err(sled::Error::Corruption { .. }) => {}
+        other => panic!("sled itself opened it: {:?}", other.map(|_| ())),
+    }
+
+    let store = SledStore::open(&path).unwrap();
+    let run = Run::new("run-snap").with_store(store);
+    assert_eq!(
+        send(&run, "ada", "never").await.unwrap().unwrap(),
+        "m-1",
+        "the completed call is replayed"
+    );
+    let unfinished = std::fs::read_dir(&path)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".generating")
+        })
+        .count();
+    assert_eq!(unfinished, 0);
+}

@@ -70,6 +70,7 @@ const LOCK_PATIENCE: Duration = Duration::from_millis(1500);
 
 fn open_db(path: &Path) -> Result<::sled::Db, Error> {
     let deadline = std::time::Instant::now() + LOCK_PATIENCE;
+    let mut cleared = false;
     loop {
         match ::sled::Config::new().path(path).open() {
             Ok(db) => return Ok(db),
@@ -79,9 +80,50 @@ fn open_db(path: &Path) -> Result<::sled::Db, Error> {
             {
                 std::thread::sleep(Duration::from_millis(20));
             }
+            Err(::sled::Error::Corruption { .. }) if !cleared => {
+                cleared = true;
+                if !remove_unfinished_snapshots(path)? {
+                    return Err(sled_error(::sled::Error::Corruption { at: None, bt: () }));
+                }
+            }
             Err(e) => return Err(sled_error(e)),
         }
     }
+}
+
+/// Removes the snapshots sled began and never finished (`snap.<lsn>.generating`);
+/// returns whether there were any.
+///
+/// sled 0.34 writes a snapshot each time it opens a database: to `snap.<lsn>.generating`,
+/// renamed to `snap.<lsn>` once complete, after which older snapshots are removed. A
+/// process killed before the rename leaves the unfinished file, and sled then reads it
+/// as the newest snapshot (it sorts after `snap.<lsn>`) and refuses to open the
+/// database, for good (upstream issues 1509, 1527, 1533). Removing the file restores
+/// the state from before that write began: the previous snapshot and the log are
+/// untouched. Called only after sled reported corruption while it held the directory's
+/// lock, so no live process is writing a snapshot there.
+fn remove_unfinished_snapshots(path: &Path) -> Result<bool, Error> {
+    let io = |e: std::io::Error| {
+        Error::store(
+            "sled",
+            format!(
+                "cannot clear unfinished snapshots in {}: {e}",
+                path.display()
+            ),
+        )
+    };
+    let mut removed = false;
+    for entry in std::fs::read_dir(path).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("snap.") && name.ends_with(".generating") {
+            std::fs::remove_file(entry.path()).map_err(io)?;
+            tracing::warn!(path = %path.display(), file = %name, "idem: removed a sled snapshot that a stopped process left unfinished; sled would not open the store with it");
+            removed = true;
+        }
+    }
+    Ok(removed)
 }
 
 fn sled_error(e: ::sled::Error) -> Error {
