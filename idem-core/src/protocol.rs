@@ -789,15 +789,16 @@ enum Settling {
 /// recorded an outcome or its own settling write has landed; dropped armed (the caller
 /// stopped waiting, a panic unwound through the protocol, the call was dropped while
 /// its own settling write was out), it settles the claim in the background, at once
-/// (see [`crate::background`]), on the runtime the call ran on. Either way no caller in
-/// a live process waits out a lease, and waiters in this process are woken.
+/// (see [`crate::background`]), on the runtime it is dropped in. Either way no caller
+/// in a live process waits out a lease, and waiters in this process are woken. (Dropped
+/// outside any runtime, the memory and sled stores settle in place; a network store,
+/// whose connection lives on a runtime, cannot, and its claim runs out after its lease.)
 struct Unsettled<'a> {
     call: &'a Call,
     store: &'a Arc<dyn Store>,
     token: Token,
     /// How to settle if dropped; `None` once there is nothing to settle.
     settling: Option<Settling>,
-    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl<'a> Unsettled<'a> {
@@ -807,7 +808,6 @@ impl<'a> Unsettled<'a> {
             store,
             token,
             settling: Some(how),
-            runtime: tokio::runtime::Handle::try_current().ok(),
         }
     }
 
@@ -845,7 +845,7 @@ impl Drop for Unsettled<'_> {
                 let why = "was dropped before recording an outcome";
                 settle(&*store, &key, &tool, token, &options, how, why).await
             },
-            self.runtime.as_ref(),
+            tokio::runtime::Handle::try_current().ok().as_ref(),
         );
     }
 }
