@@ -605,13 +605,16 @@ async fn a_wait_that_lasts_is_logged_at_info_with_the_tool_the_key_and_the_claim
     );
 }
 
-/// A memory store whose answers come late: a claim is applied at once and answered
-/// `claim_answer` later; a release is applied only after `release_delay`.
+/// A memory store whose answers come late: a claim is applied after `claim_delay` and
+/// answered `claim_answer` after that; a release is applied only after `release_delay`.
 #[derive(Clone, Default)]
 struct Slow {
     inner: MemoryStore,
+    claim_delay: Duration,
     claim_answer: Duration,
     release_delay: Duration,
+    /// Renewals panic while this is set.
+    renew_panics: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[async_trait::async_trait]
@@ -621,6 +624,7 @@ impl idem::Store for Slow {
         key: &idem::Key,
         request: &idem::store::ClaimRequest,
     ) -> Result<idem::store::Claim, Error> {
+        tokio::time::sleep(self.claim_delay).await;
         let claim = self.inner.claim(key, request).await;
         tokio::time::sleep(self.claim_answer).await;
         claim
@@ -649,6 +653,9 @@ impl idem::Store for Slow {
         lease: Duration,
         ttl: Duration,
     ) -> Result<idem::store::Fenced, Error> {
+        if self.renew_panics.swap(false, Ordering::SeqCst) {
+            panic!("a store's renewal panicked");
+        }
         self.inner.renew(key, token, lease, ttl).await
     }
     async fn get(&self, key: &idem::Key) -> Result<Option<idem::Record>, Error> {
@@ -725,6 +732,36 @@ impl From<Error> for Declined {
     fn from(error: Error) -> Declined {
         Declined(error.to_string())
     }
+}
+
+#[tokio::test]
+async fn a_claim_that_lands_after_its_caller_left_is_released_once_it_lands() {
+    // The claim is applied 300 ms after it was sent; the caller gives up after 100 ms.
+    let store = Slow {
+        claim_delay: Duration::from_millis(300),
+        ..Slow::default()
+    };
+    let run = Run::new("agent-run").with_store(store);
+    let provider = Provider::default();
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        run.scope(charge_quick(provider.clone(), 700)),
+    )
+    .await;
+    assert!(dropped.is_err());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let retry = run.scope(charge_quick(provider.clone(), 700)).await;
+    assert_eq!(
+        retry.unwrap(),
+        "msg-1",
+        "no body ran under the late claim: this one runs"
+    );
+    assert!(
+        started.elapsed() < PROMPT,
+        "the retry waited {:?}",
+        started.elapsed()
+    );
 }
 
 #[idempotent(lease = "60s", at_most_once, on_cancel = "abort", skip = [provider])]
@@ -834,7 +871,7 @@ fn a_runtime_dropped_under_a_finishing_body_settles_its_claim_on_sled() {
 #[idempotent(lease = "300ms", skip = [provider])]
 async fn blocks_its_thread(provider: Provider, id: u32) -> Result<String, Error> {
     let n = provider.deliver();
-    tokio::task::yield_now().await;
+    // Blocks before it ever waits.
     std::thread::sleep(Duration::from_millis(1200));
     Ok(n)
 }
@@ -951,4 +988,109 @@ async fn on_cancel_finish_copies_self_only_when_the_body_runs() {
         1,
         "one clone, for the one run"
     );
+}
+
+#[idempotent(lease = "300ms", skip = [provider])]
+async fn kept_alive(provider: Provider, id: u32) -> Result<String, Error> {
+    let n = provider.deliver();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    Ok(n)
+}
+
+/// The same tool, for a duplicate that does not wait.
+#[idempotent(name = "kept_alive", lease = "300ms", fail_fast, skip = [provider])]
+async fn kept_alive_fail_fast(provider: Provider, id: u32) -> Result<String, Error> {
+    Ok(provider.deliver())
+}
+
+/// A body four times its lease, and a fail-fast duplicate at +700 ms: the duplicate
+/// must find the claim held.
+async fn claim_is_held_throughout(run: &Run) {
+    let provider = Provider::default();
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        run.scope(kept_alive_fail_fast(provider.clone(), 1)).await
+    };
+    let (owner, duplicate) = tokio::join!(run.scope(kept_alive(provider.clone(), 1)), duplicate);
+    assert_eq!(owner.unwrap(), "msg-1");
+    assert!(
+        matches!(duplicate, Err(Error::InProgress { .. })),
+        "{duplicate:?}"
+    );
+    assert_eq!(provider.delivered(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_panics_in_a_renewal_does_not_stop_the_heartbeat() {
+    let store = Slow::default();
+    let panics = store.renew_panics.clone();
+    panics.store(true, Ordering::SeqCst);
+    // The first renewal of this call panics, on the heartbeat thread; the next ones
+    // keep its claim.
+    let run = Run::new("panicking-renewal").with_store(store);
+    claim_is_held_throughout(&run).await;
+    assert!(
+        !panics.load(Ordering::SeqCst),
+        "the renewal ran, and panicked"
+    );
+    // And every other claim is still renewed.
+    claim_is_held_throughout(&self::run()).await;
+}
+
+#[tokio::test]
+async fn a_call_lets_go_of_its_store_when_it_ends() {
+    let store: Arc<dyn idem::Store> = Arc::new(MemoryStore::new());
+    let run = Run::new("agent-run").with_shared_store(store.clone());
+    // A body that waits: its claim is renewed (with an hour's lease, not before long).
+    #[idempotent(lease = "1h")]
+    async fn waits(n: u32) -> Result<u32, Error> {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        Ok(n)
+    }
+    for n in 0..10 {
+        run.scope(waits(n)).await.unwrap();
+    }
+    drop(run);
+    assert_eq!(
+        Arc::strong_count(&store),
+        1,
+        "something still holds the store after the calls ended"
+    );
+}
+
+impl Mailer {
+    /// `on_cancel = "finish"` with a `mut` argument the body reassigns.
+    #[idempotent(lease = "60s", on_cancel = "finish")]
+    async fn send_trimmed(&self, mut to: &str) -> Result<String, Error> {
+        to = to.trim();
+        Ok(format!("{} to {to}", self.provider.deliver()))
+    }
+}
+
+#[tokio::test]
+async fn on_cancel_finish_keeps_a_mut_argument_mutable() {
+    let (run, mailer) = (run(), Mailer::default());
+    assert_eq!(
+        run.scope(mailer.send_trimmed(" ada ")).await.unwrap(),
+        "msg-1 to ada"
+    );
+}
+
+/// A tool generic over its impl's parameter: settled by default (the attribute takes a
+/// one-letter capital type for a generic it cannot see), so it compiles.
+struct Ledger<T>(std::marker::PhantomData<T>);
+
+impl<T: serde::Serialize + Send + Sync> Ledger<T> {
+    #[idempotent(name = "ledger_record", lease = "60s")]
+    async fn record(&self, entry: T) -> Result<u32, Error> {
+        let _ = serde_json::to_string(&entry);
+        Ok(1)
+    }
+}
+
+#[tokio::test]
+async fn a_method_generic_over_its_impl_compiles_and_runs() {
+    let run = run();
+    let ledger = Ledger::<String>(std::marker::PhantomData);
+    assert_eq!(run.scope(ledger.record("a".into())).await.unwrap(), 1);
 }

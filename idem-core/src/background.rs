@@ -9,28 +9,42 @@
 //! one its connection lives on.
 
 use std::future::Future;
+use std::panic::{self, AssertUnwindSafe};
 use std::pin::Pin;
-use std::task::{Context, Waker};
+use std::task::{Context, Poll, Waker};
 
 /// Runs `operation` to its end without the caller waiting for it: one poll here (inside
 /// `runtime`'s context, if given), then the rest on `runtime`, or, without one, here.
+///
+/// A panic in the operation (a store's code) is caught and logged here: whoever calls
+/// this (a `Drop`, the heartbeat thread) goes on.
 pub(crate) fn detach(
     operation: impl Future<Output = ()> + Send + 'static,
     runtime: Option<&tokio::runtime::Handle>,
 ) {
     let mut operation: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(operation);
-    let first = {
+    let first = panic::catch_unwind(AssertUnwindSafe(|| {
         let _context = runtime.map(tokio::runtime::Handle::enter);
         operation
             .as_mut()
             .poll(&mut Context::from_waker(Waker::noop()))
-    };
-    if first.is_ready() {
-        return;
+    }));
+    match first {
+        Ok(Poll::Ready(())) => return,
+        Ok(Poll::Pending) => {}
+        Err(_) => return panicked(),
     }
     match runtime {
         // A runtime shutting down drops the task: what the first poll did stays done.
         Some(runtime) => drop(runtime.spawn(operation)),
-        None => pollster::block_on(operation),
+        None => {
+            if panic::catch_unwind(AssertUnwindSafe(|| pollster::block_on(operation))).is_err() {
+                panicked();
+            }
+        }
     }
+}
+
+fn panicked() {
+    tracing::error!("idem: a store operation run in the background panicked");
 }

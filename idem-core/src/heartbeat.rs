@@ -11,14 +11,16 @@
 //! renewal then goes on on the body's runtime (see [`crate::background`]).
 //!
 //! The thread also tells an async body when to stop ([`drive`]): at `max_run`, or when a
-//! renewal found its claim taken over. A body that finishes before it first waits costs
-//! nothing; one that waits registers once with the thread, and costs no store round trip
-//! until its first renewal is due. A sync body cannot be stopped from outside: at
+//! renewal found its claim taken over. Every body registers with the thread before it
+//! first runs (a body may block its thread before it ever waits), which costs a lock and
+//! no store round trip; its first renewal is due a third of a lease later, and a body
+//! that has ended is forgotten at once. A sync body cannot be stopped from outside: at
 //! `max_run` its renewals stop. The thread is also the timer waits sleep on
-//! ([`sleep_until`]), so nothing here needs tokio's timer.
+//! ([`sleep_until`]), so nothing here needs tokio's timer. A panic in a store's code run
+//! there is caught and logged; the thread goes on.
 
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
@@ -41,7 +43,7 @@ fn retry_after(every: Duration) -> Duration {
 pub(crate) struct Lease<'a> {
     pub(crate) store: &'a Arc<dyn Store>,
     pub(crate) key: &'a Key,
-    pub(crate) tool: &'a str,
+    pub(crate) tool: &'a Arc<str>,
     pub(crate) token: Token,
     pub(crate) options: &'a Options,
 }
@@ -59,13 +61,11 @@ pub(crate) enum Ran<T> {
 /// Polls `body` to the end while the heartbeat thread renews its claim; stops it at
 /// `max_run`, or when a renewal finds the claim gone (see the module docs).
 pub(crate) async fn drive<F: Future>(mut body: Pin<&mut F>, lease: &Lease<'_>) -> Ran<F::Output> {
-    let mut beat: Option<Beat> = None;
+    let beat = Beat::start(lease);
     std::future::poll_fn(|cx| {
         if let Poll::Ready(output) = body.as_mut().poll(cx) {
             return Poll::Ready(Ran::Finished(output));
         }
-        // The body waits: from now on the heartbeat thread renews its claim.
-        let beat = beat.get_or_insert_with(|| Beat::start(lease));
         match beat.watch(cx.waker()) {
             BeatState::Running => Poll::Pending,
             BeatState::OverMaxRun => Poll::Ready(Ran::OverMaxRun),
@@ -91,13 +91,15 @@ const ENDED: u8 = 3;
 
 /// A claim renewed by the heartbeat thread while this handle lives.
 pub(crate) struct Beat {
-    entry: Option<Arc<Entry>>,
+    entry: Option<(u64, Arc<Entry>)>,
 }
 
 struct Entry {
+    /// Its id in the heartbeat thread's table.
+    id: u64,
     store: Arc<dyn Store>,
     key: Key,
-    tool: String,
+    tool: Arc<str>,
     token: Token,
     lease: Duration,
     ttl: Duration,
@@ -119,10 +121,12 @@ impl Beat {
         };
         let options = lease.options;
         let now = Instant::now();
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let entry = Arc::new(Entry {
+            id: IDS.fetch_add(1, AtomicOrdering::Relaxed),
             store: Arc::clone(lease.store),
             key: lease.key.clone(),
-            tool: lease.tool.to_owned(),
+            tool: Arc::clone(lease.tool),
             token: lease.token,
             lease: options.lease,
             ttl: options.ttl,
@@ -133,13 +137,15 @@ impl Beat {
             state: AtomicU8::new(RUNNING),
             waker: Mutex::new(None),
         });
-        timer.schedule(entry.next(now), Job::Renew(Arc::clone(&entry)));
-        Beat { entry: Some(entry) }
+        timer.register(Arc::clone(&entry), entry.next(now));
+        Beat {
+            entry: Some((entry.id, entry)),
+        }
     }
 
     /// Where the claim stands; `waker` is woken when that changes.
     fn watch(&self, waker: &Waker) -> BeatState {
-        let Some(entry) = &self.entry else {
+        let Some((_, entry)) = &self.entry else {
             return BeatState::Running;
         };
         {
@@ -160,9 +166,11 @@ impl Beat {
 
 impl Drop for Beat {
     fn drop(&mut self) {
-        if let Some(entry) = &self.entry {
-            // Its queue slot goes when it comes due.
+        if let Some((id, entry)) = self.entry.take() {
             entry.state.store(ENDED, AtomicOrdering::SeqCst);
+            if let Some(timer) = timer() {
+                timer.forget(id);
+            }
         }
     }
 }
@@ -212,7 +220,7 @@ impl Entry {
                 tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again");
                 if let Some(timer) = timer() {
                     let soon = Instant::now() + retry_after(self.every);
-                    timer.schedule(soon, Job::Renew(Arc::clone(self)));
+                    timer.schedule_renewal(self, soon);
                 }
             }
         }
@@ -305,8 +313,8 @@ impl AlarmSlot {
 enum Job {
     /// Wake a task whose alarm is due.
     Wake(Arc<AlarmSlot>),
-    /// Renew a running body's claim (or stop it at its deadline).
-    Renew(Arc<Entry>),
+    /// Renew a running body's claim (or stop it at its deadline), by its id.
+    Renew(u64),
 }
 
 /// A job due at `at`.
@@ -339,6 +347,9 @@ struct Queue {
     seq: u64,
     /// When the thread wakes next, if it sleeps with a timeout.
     wakes_at: Option<Instant>,
+    /// The claims being renewed, by id; a body that ends is removed at once (its
+    /// queue slots go when they come due, or in a sweep when they pile up).
+    entries: Option<HashMap<u64, Arc<Entry>>>,
 }
 
 /// The heartbeat thread's queue.
@@ -356,6 +367,7 @@ fn timer() -> Option<&'static Timer> {
             heap: BinaryHeap::new(),
             seq: 0,
             wakes_at: None,
+            entries: None,
         }),
         wake: Condvar::new(),
     };
@@ -379,12 +391,50 @@ impl Timer {
 
     fn schedule(&self, at: Instant, job: Job) {
         let mut queue = self.lock();
+        self.push(&mut queue, at, job);
+    }
+
+    fn push(&self, queue: &mut Queue, at: Instant, job: Job) {
         queue.seq += 1;
         let seq = queue.seq;
         queue.heap.push(Due { at, seq, job });
         // Wake the thread only if it would otherwise sleep past this job.
         if queue.wakes_at.is_none_or(|wakes| at < wakes) {
             self.wake.notify_one();
+        }
+    }
+
+    /// Starts renewing `entry`, first at `at`.
+    fn register(&self, entry: Arc<Entry>, at: Instant) {
+        let mut queue = self.lock();
+        let id = entry.id;
+        queue
+            .entries
+            .get_or_insert_with(HashMap::new)
+            .insert(id, entry);
+        self.push(&mut queue, at, Job::Renew(id));
+    }
+
+    /// Renews `entry` (if still registered) again at `at`, besides its schedule.
+    fn schedule_renewal(&self, entry: &Entry, at: Instant) {
+        self.schedule(at, Job::Renew(entry.id));
+    }
+
+    /// Stops renewing the claim `id`.
+    fn forget(&self, id: u64) {
+        let mut queue = self.lock();
+        let entries = queue.entries.get_or_insert_with(HashMap::new);
+        entries.remove(&id);
+        let live = entries.len();
+        // Slots of ended claims wait in the queue until due: sweep them when they
+        // outnumber the live ones, so a fast stream of calls does not pile them up.
+        if queue.heap.len() > 2 * live + 1024 {
+            let Queue { heap, entries, .. } = &mut *queue;
+            let entries = entries.get_or_insert_with(HashMap::new);
+            heap.retain(|due| match &due.job {
+                Job::Renew(id) => entries.contains_key(id),
+                Job::Wake(_) => true,
+            });
         }
     }
 
@@ -414,14 +464,28 @@ impl Timer {
                     let Some(due) = queue.heap.pop() else {
                         continue;
                     };
+                    let entry = match &due.job {
+                        Job::Renew(id) => queue.entries.as_ref().and_then(|e| e.get(id)).cloned(),
+                        Job::Wake(_) => None,
+                    };
                     drop(queue);
-                    match due.job {
-                        Job::Wake(slot) => slot.ring(due.at),
-                        Job::Renew(entry) => {
-                            if let Some(next) = self.renew(&entry) {
-                                self.schedule(next, Job::Renew(entry));
+                    // A panic in a store's code must not stop the heartbeat of every
+                    // other claim.
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        match (&due.job, entry) {
+                            (Job::Wake(slot), _) => slot.ring(due.at),
+                            (Job::Renew(id), Some(entry)) => {
+                                if let Some(next) = self.renew(&entry) {
+                                    self.schedule(next, Job::Renew(*id));
+                                }
                             }
+                            (Job::Renew(_), None) => {}
                         }
+                    }));
+                    if ran.is_err() {
+                        tracing::error!(
+                            "idem: a store panicked on the heartbeat thread; the heartbeat goes on"
+                        );
                     }
                     queue = self.lock();
                 }

@@ -202,7 +202,7 @@ impl<E: Replayable> ErrorPolicy<E> for CacheErrors {
 #[derive(Debug, Clone)]
 pub struct Call {
     run: Run,
-    tool: String,
+    tool: Arc<str>,
     key: Key,
     fingerprint: Fingerprint,
     options: Options,
@@ -286,7 +286,7 @@ impl Call {
         Ok(Call {
             key: Key::of(tool, &key_fingerprint),
             run,
-            tool: tool.to_owned(),
+            tool: tool.into(),
             fingerprint,
             options,
         })
@@ -592,10 +592,13 @@ fn replay_without_claim<R: ToolOutput>(
 /// `Ok(Some(output))` to replay, or the error the claim found. A busy key is waited for
 /// ([`Waiting`]).
 ///
-/// A claim whose answer never came (the call was dropped while the request was out, or
-/// the store did not answer in time) may still have been applied: its token is then
-/// released in the background, so the key is not left held by nobody. No body ran
-/// under it, so it is released whatever the delivery policy.
+/// A claim whose answer never came may still be applied, and must not leave the key
+/// held by nobody. No body ran under it, so it is released whatever the delivery
+/// policy, once it is known to have landed (a release sent first would overtake it on
+/// another connection, find nothing, and let it land after): a call dropped while its
+/// claim is out finishes the claim in the background, then releases it if it acquired
+/// the key; a claim the store gave up on (its timeout) is released then, and once more
+/// [`LATE_CLAIM`] later, by when a request still in flight has landed or failed.
 async fn claim_loop<R, C, P>(
     call: &Call,
     store: &Arc<dyn Store>,
@@ -609,9 +612,20 @@ where
     let key = &call.key;
     let mut waiting = Waiting::new(call);
     loop {
-        let mut unanswered = Unsettled::new(call, store, request.token, Settling::Release);
-        let claim = (**store).claim(key, request).await?;
-        unanswered.disarm();
+        let claim = match (Claiming {
+            claim: Some(claim_owned(store, key, *request)),
+            call,
+            store,
+            token: request.token,
+        })
+        .await
+        {
+            Ok(claim) => claim,
+            Err(error) => {
+                release_late_claim(call, store, request.token);
+                return Err(error);
+            }
+        };
         match claim {
             Claim::Acquired { took_over } => {
                 if took_over {
@@ -645,6 +659,100 @@ where
             Claim::Busy { lease_until } => waiting.pause::<P>(lease_until).await?,
         }
     }
+}
+
+/// How long after a claim the store gave up on it is released a second time.
+const LATE_CLAIM: Duration = Duration::from_secs(10);
+
+/// A claim request that owns what it needs, so it can finish without its caller.
+type ClaimFuture = Pin<Box<dyn Future<Output = Result<Claim, Error>> + Send>>;
+
+fn claim_owned(store: &Arc<dyn Store>, key: &Key, request: ClaimRequest) -> ClaimFuture {
+    let (store, key) = (Arc::clone(store), key.clone());
+    Box::pin(async move { store.claim(&key, &request).await })
+}
+
+/// A claim request under way; dropped before its answer, it finishes in the
+/// background and releases the key if it acquired it.
+struct Claiming<'a> {
+    claim: Option<ClaimFuture>,
+    call: &'a Call,
+    store: &'a Arc<dyn Store>,
+    token: Token,
+}
+
+impl Future for Claiming<'_> {
+    type Output = Result<Claim, Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(claim) = self.claim.as_mut() else {
+            return Poll::Ready(Err(Error::store("idem", "polled after completion")));
+        };
+        let answer = std::task::ready!(claim.as_mut().poll(cx));
+        self.claim = None;
+        Poll::Ready(answer)
+    }
+}
+
+impl Drop for Claiming<'_> {
+    fn drop(&mut self) {
+        let Some(claim) = self.claim.take() else {
+            return;
+        };
+        let store = Arc::clone(self.store);
+        let (key, tool, token) = (self.call.key.clone(), self.call.tool.clone(), self.token);
+        let options = self.call.options;
+        background::detach(
+            async move {
+                let why = "was dropped while its claim was out";
+                match claim.await {
+                    Ok(Claim::Acquired { .. }) => {
+                        settle(
+                            &*store,
+                            &key,
+                            &tool,
+                            token,
+                            &options,
+                            Settling::Release,
+                            why,
+                        )
+                        .await
+                    }
+                    Ok(_) => {}
+                    Err(_) => release_twice(&*store, &key, &tool, token, &options, why).await,
+                }
+            },
+            tokio::runtime::Handle::try_current().ok().as_ref(),
+        );
+    }
+}
+
+/// Releases a claim the store gave up on, in the background (see [`claim_loop`]).
+fn release_late_claim(call: &Call, store: &Arc<dyn Store>, token: Token) {
+    let store = Arc::clone(store);
+    let (key, tool, options) = (call.key.clone(), call.tool.clone(), call.options);
+    background::detach(
+        async move {
+            let why = "got no answer to its claim";
+            release_twice(&*store, &key, &tool, token, &options, why).await
+        },
+        tokio::runtime::Handle::try_current().ok().as_ref(),
+    );
+}
+
+/// Releases `token`'s claim now and again [`LATE_CLAIM`] later (fenced: a no-op on
+/// anyone else's claim).
+async fn release_twice(
+    store: &dyn Store,
+    key: &Key,
+    tool: &str,
+    token: Token,
+    options: &Options,
+    why: &str,
+) {
+    settle(store, key, tool, token, options, Settling::Release, why).await;
+    heartbeat::sleep_until(Instant::now() + LATE_CLAIM).await;
+    settle(store, key, tool, token, options, Settling::Release, why).await;
 }
 
 /// A call waiting for another call's claim on its key.

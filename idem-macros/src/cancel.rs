@@ -52,6 +52,9 @@ pub fn decide(
         .type_params()
         .map(|p| p.ident.clone())
         .collect();
+    // A method's impl may have generics of its own, which the attribute cannot see:
+    // there, a one-letter capital type name (`T`, `K`) is taken for one.
+    let impl_generics = func.sig.receiver().is_some();
     let used = Mentions::of(body);
     match explicit {
         Some((OnCancel::Abort, _)) => Ok(None),
@@ -62,9 +65,10 @@ pub fn decide(
             };
             let borrows = receiver_used(func, &used)
                 || typed_args(func).any(|(pat, ty)| {
-                    may_borrow(ty, &generics) && bound_names(pat).iter().any(|n| used.has(n))
+                    may_borrow(ty, &generics, impl_generics)
+                        && bound_names(pat).iter().any(|n| used.has(n))
                 })
-                || output.is_some_and(|ty| may_borrow(ty, &generics));
+                || output.is_some_and(|ty| may_borrow(ty, &generics, impl_generics));
             Ok((!borrows).then(Owned::default))
         }
         Some((OnCancel::Finish, span)) => make_owned(func, &used, span).map(Some),
@@ -157,14 +161,20 @@ fn make_owned(func: &ItemFn, used: &Mentions, span: Span) -> syn::Result<Owned> 
             return Err(err);
         }
         let name = &ident.ident;
+        let mutability = &ident.mutability;
         let copy = format_ident!("__idem_owned_{}", name);
         let elem = &reference.elem;
         owned
             .prelude
             .push(quote_spanned!(ty.span()=> let #copy = ::std::borrow::ToOwned::to_owned(#name);));
-        owned.reborrow.push(
-            quote_spanned!(ty.span()=> let #name: &#elem = ::core::borrow::Borrow::borrow(&#copy);),
-        );
+        if mutability.is_some() {
+            // The body reassigns the copy; the argument itself stays as it was, which
+            // the signature's `mut` would otherwise be warned of.
+            owned.prelude.push(quote!(let _ = &mut #name;));
+        }
+        owned.reborrow.push(quote_spanned!(ty.span()=>
+            let #mutability #name: &#elem = ::core::borrow::Borrow::borrow(&#copy);
+        ));
     }
     Ok(owned)
 }
@@ -267,10 +277,12 @@ fn bound_names(pat: &Pat) -> Vec<Ident> {
     names.0
 }
 
-/// Whether a value of type `ty` may borrow from the caller.
-fn may_borrow(ty: &Type, generics: &[Ident]) -> bool {
+/// Whether a value of type `ty` may borrow from the caller. With `impl_generics`, a
+/// one-letter capital type name counts as a generic parameter of the impl.
+fn may_borrow(ty: &Type, generics: &[Ident], impl_generics: bool) -> bool {
     struct Borrows<'g> {
         generics: &'g [Ident],
+        impl_generics: bool,
         found: bool,
     }
     impl<'a> Visit<'a> for Borrows<'_> {
@@ -296,14 +308,19 @@ fn may_borrow(ty: &Type, generics: &[Ident]) -> bool {
         }
         fn visit_type_path(&mut self, path: &'a syn::TypePath) {
             if let Some(first) = path.path.segments.first() {
+                let alone = path.path.segments.len() == 1 && first.arguments.is_none();
+                let name = first.ident.to_string();
+                let one_capital = name.len() == 1 && name.chars().all(|c| c.is_ascii_uppercase());
                 self.found |= first.ident == "Self"
-                    || (path.path.segments.len() == 1 && self.generics.contains(&first.ident));
+                    || (alone && self.generics.contains(&first.ident))
+                    || (alone && self.impl_generics && one_capital);
             }
             syn::visit::visit_type_path(self, path);
         }
     }
     let mut visitor = Borrows {
         generics,
+        impl_generics,
         found: false,
     };
     visitor.visit_type(ty);
@@ -378,29 +395,31 @@ mod tests {
     #[test]
     fn bodies_that_own_what_they_use_finish_by_default() {
         assert!(decided(
-            "async fn f(input: SendEmail) -> Result<Id, E> { send(input) }"
+            "async fn f(input: SendEmail) -> Result<Id, ToolError> { send(input) }"
         ));
         assert!(decided(
-            "async fn f(run: &Run, n: u32) -> Result<u32, E> { Ok(n) }"
+            "async fn f(run: &Run, n: u32) -> Result<u32, ToolError> { Ok(n) }"
         ));
         assert!(decided(
-            "async fn f(&self, n: u32) -> Result<u32, E> { Ok(n) }"
+            "async fn f(&self, n: u32) -> Result<u32, ToolError> { Ok(n) }"
         ));
         assert!(decided(
-            "async fn f(input: Vec<String>) -> Result<&'static str, E> { Ok(\"sent\") }"
+            "async fn f(input: Vec<String>) -> Result<&'static str, ToolError> { Ok(\"sent\") }"
         ));
     }
 
     #[test]
     fn bodies_that_may_borrow_abort_by_default() {
         for item in [
-            "async fn f(&self, n: u32) -> Result<u32, E> { self.send(n) }",
-            "async fn f(to: &str) -> Result<u32, E> { send(to) }",
-            "async fn f(to: &str) -> Result<String, E> { Ok(format!(\"{to}\")) }",
-            "async fn f<T: Serialize>(x: T) -> Result<u32, E> { send(x) }",
-            "async fn f(x: impl Serialize) -> Result<u32, E> { send(x) }",
-            "async fn f<'a>(x: Cow<'a, str>) -> Result<u32, E> { send(x) }",
-            "async fn f(n: u32) -> Result<Cow<'_, str>, E> { todo(n) }",
+            "async fn f(&self, n: u32) -> Result<u32, ToolError> { self.send(n) }",
+            "async fn f(to: &str) -> Result<u32, ToolError> { send(to) }",
+            "async fn f(to: &str) -> Result<String, ToolError> { Ok(format!(\"{to}\")) }",
+            "async fn f<T: Serialize>(x: T) -> Result<u32, ToolError> { send(x) }",
+            "async fn f(x: impl Serialize) -> Result<u32, ToolError> { send(x) }",
+            "async fn f<'a>(x: Cow<'a, str>) -> Result<u32, ToolError> { send(x) }",
+            "async fn f(n: u32) -> Result<Cow<'_, str>, ToolError> { todo(n) }",
+            // A method of `impl<T> Tool<T>`: `T` is the impl's.
+            "async fn f(&self, t: T) -> Result<u32, ToolError> { send(t) }",
         ] {
             assert!(!decided(item), "{item}");
         }
@@ -411,18 +430,18 @@ mod tests {
         // As `#[async_trait]` writes a method that never uses `self`.
         let func: ItemFn = syn::parse_str(
             "fn f<'life0, 'async_trait>(&'life0 self, input: String) \
-             -> Pin<Box<dyn Future<Output = Result<u32, E>> + Send + 'async_trait>> { \
+             -> Pin<Box<dyn Future<Output = Result<u32, ToolError>> + Send + 'async_trait>> { \
                  Box::pin(async move { let __self = self; let input = input; \
-                     let __ret: Result<u32, E> = { send(input) }; __ret }) }",
+                     let __ret: Result<u32, ToolError> = { send(input) }; __ret }) }",
         )
         .unwrap();
         let inner: Block = syn::parse_str(
-            "{ let __self = self; let input = input; let __ret: Result<u32, E> = { send(input) }; __ret }",
+            "{ let __self = self; let input = input; let __ret: Result<u32, ToolError> = { send(input) }; __ret }",
         )
         .unwrap();
         assert!(decide(&func, &inner, None).unwrap().is_some());
         let uses_self: Block = syn::parse_str(
-            "{ let __self = self; let input = input; let __ret: Result<u32, E> = { __self.send(input) }; __ret }",
+            "{ let __self = self; let input = input; let __ret: Result<u32, ToolError> = { __self.send(input) }; __ret }",
         )
         .unwrap();
         assert!(decide(&func, &uses_self, None).unwrap().is_none());
@@ -430,9 +449,10 @@ mod tests {
 
     #[test]
     fn finish_on_mut_borrows_is_an_error() {
-        let func: ItemFn =
-            syn::parse_str("async fn f(&mut self) -> Result<u32, E> { self.n += 1; Ok(1) }")
-                .unwrap();
+        let func: ItemFn = syn::parse_str(
+            "async fn f(&mut self) -> Result<u32, ToolError> { self.n += 1; Ok(1) }",
+        )
+        .unwrap();
         let explicit = Some((OnCancel::Finish, Span::call_site()));
         assert!(decide(&func, &func.block, explicit).is_err());
     }
