@@ -22,6 +22,7 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 use std::future::Future;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
@@ -349,7 +350,28 @@ struct Queue {
     wakes_at: Option<Instant>,
     /// The claims being renewed, by id; a body that ends is removed at once (its
     /// queue slots go when they come due, or in a sweep when they pile up).
-    entries: Option<HashMap<u64, Arc<Entry>>>,
+    entries: Option<Entries>,
+}
+
+/// The claims being renewed, by id. Ids are a counter's values, so a multiplication
+/// spreads them well enough: no need for SipHash on every call.
+type Entries = HashMap<u64, Arc<Entry>, BuildHasherDefault<IdHasher>>;
+
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
 }
 
 /// The heartbeat thread's queue.
@@ -410,7 +432,7 @@ impl Timer {
         let id = entry.id;
         queue
             .entries
-            .get_or_insert_with(HashMap::new)
+            .get_or_insert_with(Entries::default)
             .insert(id, entry);
         self.push(&mut queue, at, Job::Renew(id));
     }
@@ -423,14 +445,14 @@ impl Timer {
     /// Stops renewing the claim `id`.
     fn forget(&self, id: u64) {
         let mut queue = self.lock();
-        let entries = queue.entries.get_or_insert_with(HashMap::new);
+        let entries = queue.entries.get_or_insert_with(Entries::default);
         entries.remove(&id);
         let live = entries.len();
         // Slots of ended claims wait in the queue until due: sweep them when they
         // outnumber the live ones, so a fast stream of calls does not pile them up.
         if queue.heap.len() > 2 * live + 1024 {
             let Queue { heap, entries, .. } = &mut *queue;
-            let entries = entries.get_or_insert_with(HashMap::new);
+            let entries = entries.get_or_insert_with(Entries::default);
             heap.retain(|due| match &due.job {
                 Job::Renew(id) => entries.contains_key(id),
                 Job::Wake(_) => true,

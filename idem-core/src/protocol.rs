@@ -356,11 +356,16 @@ where
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return own::<R, C, _>(&call, &owner, operation()).await;
     };
-    let operation = crate::run::keep_ambient_run(operation());
     let key = call.key.clone();
-    let life = async move { own::<R, C, _>(&call, &owner, operation).await };
+    let ambient = Run::current();
+    let operation = operation();
+    // The owner's part is made inside its box, on first poll: not built on the stack
+    // and copied in (it is large, and a miss pays for every copy).
+    let life: Life<R> = Box::pin(async move {
+        crate::run::in_scope(ambient, own::<R, C, _>(&call, &owner, operation)).await
+    });
     Finishing {
-        life: Some(Box::pin(life.instrument(tracing::Span::current()))),
+        life: Some(life.instrument(tracing::Span::current())),
         key,
         runtime,
     }
@@ -382,8 +387,8 @@ impl<F: Future + Send + 'static> FinishesAlone for F {}
 /// An owner's call, run by [`execute_finishing`]: finished in a task of its own, on the
 /// runtime the call started on, if the caller drops it.
 struct Finishing<R: Send + 'static> {
-    /// The owner's part of the call, until it ends.
-    life: Option<Life<R>>,
+    /// The owner's part of the call, until it ends, in the caller's span.
+    life: Option<tracing::instrument::Instrumented<Life<R>>>,
     key: Key,
     runtime: tokio::runtime::Handle,
 }
@@ -399,7 +404,7 @@ impl<R: Send + 'static> Future for Finishing<R> {
             return Poll::Ready(Err(Error::store("idem", "polled after completion")));
         };
         // A panic goes on to the caller; the panicked body must not be finished later.
-        let polled = panic::catch_unwind(AssertUnwindSafe(|| life.as_mut().poll(cx)));
+        let polled = panic::catch_unwind(AssertUnwindSafe(|| Pin::new(life).poll(cx)));
         match polled {
             Ok(Poll::Pending) => Poll::Pending,
             Ok(Poll::Ready(output)) => {

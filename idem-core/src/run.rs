@@ -145,15 +145,12 @@ impl std::fmt::Debug for Run {
     }
 }
 
-/// `future`, keeping the ambient run of the caller (if any) wherever it is polled: for a
-/// body that may go on in a task of its own after its caller stopped waiting.
-pub(crate) fn keep_ambient_run<F: Future>(future: F) -> impl Future<Output = F::Output> {
-    let run = Run::current();
-    async move {
-        match run {
-            Some(run) => CURRENT_RUN.scope(run, future).await,
-            None => future.await,
-        }
+/// `future` with `run` as its ambient run, if there is one: for a body that may go on
+/// in a task of its own after its caller stopped waiting.
+pub(crate) async fn in_scope<F: Future>(run: Option<Run>, future: F) -> F::Output {
+    match run {
+        Some(run) => CURRENT_RUN.scope(run, future).await,
+        None => future.await,
     }
 }
 
