@@ -216,13 +216,11 @@ impl<'a> ser::Serializer for Canonical<'a> {
         write_int(self.out, v);
         Ok(())
     }
+    /// Every `i128` is written in full, as serde_json writes it; values that fit an
+    /// `i64` or `u64` write exactly as those do, so their keys are unchanged.
     fn serialize_i128(self, v: i128) -> Result<(), Error> {
-        if i64::try_from(v).is_ok() || u64::try_from(v).is_ok() {
-            write_int(self.out, v);
-            Ok(())
-        } else {
-            Err(Error::custom("number out of range"))
-        }
+        write_int(self.out, v);
+        Ok(())
     }
     fn serialize_u8(self, v: u8) -> Result<(), Error> {
         write_int(self.out, v);
@@ -240,13 +238,10 @@ impl<'a> ser::Serializer for Canonical<'a> {
         write_int(self.out, v);
         Ok(())
     }
+    /// Every `u128` is written in full, as serde_json writes it (see `serialize_i128`).
     fn serialize_u128(self, v: u128) -> Result<(), Error> {
-        if u64::try_from(v).is_ok() {
-            write_int(self.out, v);
-            Ok(())
-        } else {
-            Err(Error::custom("number out of range"))
-        }
+        write_int(self.out, v);
+        Ok(())
     }
     fn serialize_f32(self, v: f32) -> Result<(), Error> {
         write_f64(self.out, f64::from(v))

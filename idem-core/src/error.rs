@@ -158,11 +158,36 @@ pub enum Error {
         limit: usize,
     },
 
-    /// A completed result is stored under the key but no longer deserializes into the
-    /// function's return type (its type changed since it was stored). Nothing was run.
-    /// Delete the key, or keep the old type's fields deserializable.
+    /// The operation's result (or error, when errors are cached) serializes to JSON that
+    /// does not deserialize back into its own type, so a retry could never read it: it
+    /// was not stored. The body has run. At-least-once tools release the key;
+    /// at-most-once tools record the outcome as unknown, so a retry gets
+    /// [`Error::OutcomeUnknown`] at once. Typical causes: a NaN or infinite float (JSON
+    /// writes it as `null`), `skip_serializing_if` without a matching `default`,
+    /// `#[serde(flatten)]` over a field serde_json cannot read back (`u128`).
     #[error(
-        "stored result for key `{key}` no longer deserializes into the expected type: {source}"
+        "the result of tool `{tool}` (key `{key}`) cannot be stored: its JSON does not \
+         deserialize back into its own type ({source}), so a retry could not read it; the \
+         body has run, and its claim was settled by the tool's delivery policy"
+    )]
+    Unreplayable {
+        /// The tool that was called.
+        tool: String,
+        /// The idempotency key.
+        key: String,
+        /// What serde reported when reading the result back.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// A completed result is stored under the key but does not deserialize into the
+    /// function's return type. idem stores only results that read back, so the type
+    /// changed since it was stored (or the record was written by a build without that
+    /// check). Nothing was run. Delete the key, or keep the old type's fields
+    /// deserializable.
+    #[error(
+        "stored result for key `{key}` does not deserialize into the tool's return type \
+         (the type changed since the result was stored?): {source}"
     )]
     StoredResult {
         /// The idempotency key.
@@ -193,7 +218,12 @@ pub enum Error {
     },
 
     /// The store could not be reached or failed (I/O error, lost connection, locked
-    /// database). The operation was not run unguarded. Retry when the store is back.
+    /// database) before the operation ran: it was **not run**. Retry when the store is
+    /// back.
+    ///
+    /// A store that fails *after* the body ran never gives this error: the caller gets
+    /// the body's own value, and idem tries to record it again in the background (see
+    /// the guarantees in the README).
     #[error("{store} store failed: {source}; the operation was not run")]
     Store {
         /// Which store ("sled", "memory", ...).
@@ -223,12 +253,74 @@ impl Error {
             | Error::MaxRunExceeded { key, .. }
             | Error::Output { key, .. }
             | Error::ResultTooLarge { key, .. }
+            | Error::Unreplayable { key, .. }
             | Error::StoredResult { key, .. }
             | Error::CorruptRecord { key, .. }
             | Error::UnsupportedFormat { key, .. } => Some(key),
             Error::NoRun { .. } | Error::Input { .. } | Error::Store { .. } => None,
         }
     }
+}
+
+/// A store's failure as people read it, keeping the error it came from as its
+/// [`source`](StdError::source): what `{}` prints says why (the server's message and
+/// code, the OS error), and an error reporter can still walk the original chain.
+#[derive(Debug)]
+pub(crate) struct Fault {
+    text: String,
+    source: Box<dyn StdError + Send + Sync>,
+}
+
+impl Fault {
+    /// `text`, caused by `source`.
+    pub(crate) fn new(
+        text: impl Into<String>,
+        source: impl Into<Box<dyn StdError + Send + Sync>>,
+    ) -> Self {
+        Fault {
+            text: text.into(),
+            source: source.into(),
+        }
+    }
+
+    /// `source` described by its whole chain (see [`chain`]), with `source` kept.
+    pub(crate) fn chained(source: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
+        let source = source.into();
+        Fault {
+            text: chain(&*source),
+            source,
+        }
+    }
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl StdError for Fault {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+/// `error` and its sources as one line, `outer: inner: innermost`, leaving out a
+/// source whose message the one before it already includes.
+pub(crate) fn chain(error: &(dyn StdError + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut last = text.clone();
+    let mut next = error.source();
+    while let Some(source) = next {
+        let message = source.to_string();
+        if !message.is_empty() && !last.contains(&message) {
+            text.push_str(": ");
+            text.push_str(&message);
+        }
+        last = message;
+        next = source.source();
+    }
+    text
 }
 
 /// A duration as people read it: `150 ms`, `4.2 s`, `12 min 5 s`, `3 h 20 min`, `2 d 4 h`.

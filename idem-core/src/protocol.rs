@@ -443,10 +443,11 @@ impl<R: Send + 'static> Drop for Finishing<R> {
 /// panic in the operation settles the claim by the delivery policy, then goes on.
 ///
 /// Store calls block the current thread. The memory and sled stores work anywhere.
-/// The Postgres and Redis stores run on tokio: call sync tools that use them from a
-/// thread of a multi-threaded tokio runtime (for example inside
-/// `tokio::task::spawn_blocking`); elsewhere their operations return
-/// [`Error::Store`] instead of blocking forever.
+/// The Postgres and Redis stores run on tokio: call sync tools that use them inside
+/// `tokio::task::spawn_blocking`, on a runtime of either flavor. Called on a thread
+/// that drives tokio itself (a current-thread runtime's own thread), their operations
+/// cannot be answered, and return [`Error::Store`] after the store's timeout instead
+/// of blocking forever; with no runtime at all, at once.
 pub fn execute_blocking<R, C, F>(call: Result<Call, Error>, operation: F) -> Result<R, Error>
 where
     R: ToolOutput,
@@ -493,25 +494,23 @@ impl Drop for BlockingGuard {
     }
 }
 
+/// Whether this thread is inside a sync tool's call ([`execute_blocking`]): blocked, so
+/// whatever it would drive (a current-thread runtime's timers and sockets) waits.
 #[cfg(any(feature = "postgres", feature = "redis"))]
-/// For stores that run on tokio: an error if tokio cannot make progress from here (no
-/// runtime; or a thread blocked in a sync tool whose runtime is a current-thread one,
-/// whose only thread is the blocked one). Waiting there would never end.
+pub(crate) fn in_blocking_tool() -> bool {
+    BLOCKING.with(|b| b.get())
+}
+
+#[cfg(any(feature = "postgres", feature = "redis"))]
+/// For stores that run on tokio: an error if there is no tokio runtime here, since
+/// waiting for one would never end.
 pub(crate) fn check_tokio_reachable(store: &'static str) -> Result<(), Error> {
-    let runtime = tokio::runtime::Handle::try_current();
-    let blocking = BLOCKING.with(|b| b.get());
-    match runtime {
-        Ok(_) if !blocking => Ok(()),
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => Ok(()),
-        Ok(_) => Err(Error::store(
-            store,
-            "a sync tool on this store must run on a thread of a multi-threaded tokio runtime \
-             (e.g. inside tokio::task::spawn_blocking): here the store could never answer",
-        )),
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => Ok(()),
         Err(_) => Err(Error::store(
             store,
             "this store runs on tokio, and there is no tokio runtime here: call the tool inside \
-             one (a sync tool: on a thread of a multi-threaded runtime)",
+             one (a sync tool: inside tokio::task::spawn_blocking)",
         )),
     }
 }
@@ -1038,6 +1037,13 @@ async fn settle(
 }
 
 /// Records the outcome of a body that ran to its end.
+///
+/// An outcome that cannot be stored so that a retry reads it back (it does not
+/// serialize, it is over the store's size limit, or its JSON does not deserialize into
+/// its own type) is an error here, at the call that ran, and is not stored: the claim is
+/// settled by the delivery policy. An outcome the store fails to record is still the
+/// caller's: the body ran, so the caller gets its value, and the record is tried again
+/// in the background (see [`record_late`]).
 async fn finish<R, C>(call: &Call, mut guard: Settle<'_>, output: R) -> Result<R, Error>
 where
     R: ToolOutput,
@@ -1045,28 +1051,25 @@ where
 {
     let key = &call.key;
     let result = output.into_result();
+    let store = guard.0.store;
     let stored = match &result {
-        Ok(value) => serde_json::to_vec(value)
-            .map(Some)
-            .map_err(|source| Error::Output {
-                key: key.to_string(),
-                source,
-            }),
-        Err(error) if C::CACHES => C::encode(key, error).map(Some),
+        Ok(value) => storable(call, store, value, |bytes| {
+            serde_json::from_slice::<R::Ok>(bytes).map(drop)
+        })
+        .map(Some),
+        Err(error) if C::CACHES => C::encode(key, error)
+            .and_then(|bytes| {
+                within_limit(call, store, bytes).and_then(|bytes| {
+                    C::decode(key, &bytes).map(drop).map_err(|e| match e {
+                        Error::StoredResult { source, .. } => unreadable(call, source),
+                        other => other,
+                    })?;
+                    Ok(bytes)
+                })
+            })
+            .map(Some),
         Err(_) => Ok(None),
     };
-    let store = guard.0.store;
-    let stored = stored.and_then(|bytes| {
-        let limit = store.max_result_bytes();
-        match bytes {
-            Some(bytes) if bytes.len() > limit => Err(Error::ResultTooLarge {
-                key: key.to_string(),
-                size: bytes.len(),
-                limit,
-            }),
-            bytes => Ok(bytes),
-        }
-    });
     let bytes = match stored {
         Ok(Some(bytes)) => bytes,
         Ok(None) => {
@@ -1080,35 +1083,146 @@ where
             return Err(error);
         }
     };
-    let outcome = match result {
-        Ok(_) => Outcome::Completed(&bytes),
-        Err(_) => Outcome::Failed(&bytes),
+    let failed = result.is_err();
+    let outcome = if failed {
+        Outcome::Failed(&bytes)
+    } else {
+        Outcome::Completed(&bytes)
     };
     // Armed while the completion is out: dropped there, the claim is settled (fenced: a
     // no-op if the completion landed).
     let completed = store
         .complete(key, guard.0.token, outcome, call.options.ttl)
         .await;
-    let fenced = match completed {
-        Ok(fenced) => {
+    match completed {
+        Ok(Fenced::Applied) => {
             guard.0.disarm();
-            fenced
+            wait::notify(key);
+            Ok(R::from_result(result))
         }
-        Err(error) => {
-            guard
-                .settle("ran, but its outcome could not be recorded")
-                .await;
-            return Err(error);
-        }
-    };
-    wait::notify(key);
-    match fenced {
-        Fenced::Applied => Ok(R::from_result(result)),
-        Fenced::LostLease => {
+        Ok(Fenced::LostLease) => {
+            guard.0.disarm();
+            wait::notify(key);
             tracing::warn!(tool = %call.tool, %key, "idem: the claim was lost while the body ran; result not stored");
             Err(Error::LostLease {
                 key: key.to_string(),
             })
+        }
+        Err(error) => {
+            // The body ran: what it returned is the truth, so the caller gets it. The
+            // background takes over the claim's settling from here.
+            tracing::warn!(tool = %call.tool, %key, %error, "idem: the body ran, but the store failed to record its outcome; returning the body's value, and trying to record it again in the background");
+            guard.0.disarm();
+            record_late(call, Arc::clone(store), guard.0.token, bytes, failed);
+            Ok(R::from_result(result))
+        }
+    }
+}
+
+/// `value` serialized for the store, if a retry can read it back: it serializes, fits
+/// the store's limit, and `read_back` accepts its bytes (JSON turns a NaN into `null`,
+/// for instance, which no `f64` deserializes from).
+fn storable<T: Serialize>(
+    call: &Call,
+    store: &Arc<dyn Store>,
+    value: &T,
+    read_back: impl FnOnce(&[u8]) -> Result<(), serde_json::Error>,
+) -> Result<Vec<u8>, Error> {
+    let bytes = serde_json::to_vec(value).map_err(|source| Error::Output {
+        key: call.key.to_string(),
+        source,
+    })?;
+    let bytes = within_limit(call, store, bytes)?;
+    read_back(&bytes).map_err(|source| unreadable(call, source))?;
+    Ok(bytes)
+}
+
+/// `bytes`, or [`Error::ResultTooLarge`] over the store's limit.
+fn within_limit(call: &Call, store: &Arc<dyn Store>, bytes: Vec<u8>) -> Result<Vec<u8>, Error> {
+    let limit = store.max_result_bytes();
+    if bytes.len() > limit {
+        return Err(Error::ResultTooLarge {
+            key: call.key.to_string(),
+            size: bytes.len(),
+            limit,
+        });
+    }
+    Ok(bytes)
+}
+
+fn unreadable(call: &Call, source: serde_json::Error) -> Error {
+    Error::Unreplayable {
+        tool: call.tool.to_string(),
+        key: call.key.to_string(),
+        source,
+    }
+}
+
+/// Delays between the background attempts to record an outcome the store failed to
+/// take; the last attempt comes about 6 s after the first failure.
+const RECORD_AGAIN: [Duration; 4] = [
+    Duration::from_millis(100),
+    Duration::from_millis(400),
+    Duration::from_millis(1500),
+    Duration::from_secs(4),
+];
+
+/// Records an outcome the store failed to take, in the background: its bytes are
+/// written again (fenced by the claim's token, so never over another owner's record) a
+/// few times over some seconds. Until one lands, the key holds the claim, so a retry
+/// waits as it would for a running call, and then gets the recorded outcome. If none
+/// lands, the claim is settled by the delivery policy (or, with the store still down,
+/// runs out after its lease): an at-least-once retry runs the body again, an
+/// at-most-once retry gets [`Error::OutcomeUnknown`].
+fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>, failed: bool) {
+    let (key, tool, options) = (call.key.clone(), call.tool.clone(), call.options);
+    let late = async move {
+        for delay in RECORD_AGAIN {
+            crate::heartbeat::sleep_until(std::time::Instant::now() + delay).await;
+            let outcome = if failed {
+                Outcome::Failed(&bytes)
+            } else {
+                Outcome::Completed(&bytes)
+            };
+            match store.complete(&key, token, outcome, options.ttl).await {
+                Ok(Fenced::Applied) => {
+                    tracing::info!(%tool, %key, "idem: an outcome the store failed to take is now recorded");
+                    wait::notify(&key);
+                    return;
+                }
+                Ok(Fenced::LostLease) => {
+                    tracing::info!(%tool, %key, "idem: an outcome the store seemed to refuse is not written again: the key no longer holds this call's claim (the first write landed late, or the claim was taken over)");
+                    wait::notify(&key);
+                    return;
+                }
+                Err(error) => {
+                    tracing::debug!(%tool, %key, %error, "idem: recording an outcome again failed")
+                }
+            }
+        }
+        let why = "ran, but the store never took its outcome";
+        settle(
+            &*store,
+            &key,
+            &tool,
+            token,
+            &options,
+            Settling::ByPolicy,
+            why,
+        )
+        .await;
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn(late)),
+        // No runtime (a sync tool on an in-process store): a thread of its own, so the
+        // caller does not wait for it.
+        Err(_) => {
+            let spawned = std::thread::Builder::new()
+                .name("idem-record".into())
+                .spawn(move || background::detach(late, None));
+            if let Err(error) = spawned {
+                tracing::warn!(%error, "idem: cannot start a thread to record an outcome again; its claim runs out after its lease");
+            }
         }
     }
 }

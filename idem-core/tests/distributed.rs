@@ -738,18 +738,55 @@ async fn redis_store_fails_closed_while_the_server_is_down_and_recovers_after() 
 
 // ----- Sync tools on the network stores -----------------------------------------
 
+static SYNC_RUNS: AtomicUsize = AtomicUsize::new(0);
+
 fn sync_call(run: &Run, n: u32) -> Result<Result<u32, Error>, Error> {
     idem_core::execute_blocking::<Result<u32, Error>, ReleaseErrors, _>(
         Call::new(Some(run), "sync_tool", Options::new(), &n),
-        || Ok(n * 2),
+        || {
+            SYNC_RUNS.fetch_add(1, SeqCst);
+            Ok(n * 2)
+        },
     )
 }
 
+/// The Postgres and Redis stores a sync-tool test runs on, made inside a runtime.
+async fn sync_stores(pg: &str, redis: &str, table: &str) -> Vec<(&'static str, Arc<dyn Store>)> {
+    let timeout = Duration::from_millis(500);
+    vec![
+        (
+            "postgres",
+            Arc::new(
+                PostgresStore::builder(pg)
+                    .table(table)
+                    .timeout(timeout)
+                    .connect()
+                    .await
+                    .unwrap(),
+            ),
+        ),
+        (
+            "redis",
+            Arc::new(
+                RedisStore::builder(redis)
+                    .prefix(format!("{}:", unique("idem-sync")))
+                    .timeout(timeout)
+                    .connect()
+                    .await
+                    .unwrap(),
+            ),
+        ),
+    ]
+}
+
 #[test]
-fn sync_tools_on_network_stores_fail_closed_outside_a_multithreaded_runtime() {
-    let Some(url) = redis_url() else { return };
-    // No runtime at all: a typed error, no panic, no hang.
-    let store = RedisStore::builder(&url)
+fn a_sync_tool_on_a_network_store_with_no_runtime_or_on_the_runtimes_own_thread_fails_closed_with_advice_that_works(
+) {
+    let (Some(pg), Some(redis)) = (postgres_url(), redis_url()) else {
+        return;
+    };
+    // No runtime at all: a typed error at once, no panic, no hang.
+    let store = RedisStore::builder(&redis)
         .prefix(format!("{}:", unique("idem-sync")))
         .build();
     match store {
@@ -757,53 +794,65 @@ fn sync_tools_on_network_stores_fail_closed_outside_a_multithreaded_runtime() {
             let run = Run::new("sync").with_store(store);
             let err = sync_call(&run, 1).unwrap_err();
             assert!(matches!(err, Error::Store { store: "redis", .. }), "{err}");
+            assert!(err.to_string().contains("spawn_blocking"), "{err}");
         }
         Err(e) => assert!(matches!(e, Error::Store { .. }), "{e}"),
     }
-    // A current-thread runtime, blocked by the sync tool: also an error, not a hang.
+    // Called on a current-thread runtime's own thread, which the call blocks: the store
+    // can never answer. An error after the store's timeout, not a hang; and the advice
+    // it gives (spawn_blocking) is what the next test shows working.
+    let table = unique("idem_sync_rt");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        let store = RedisStore::builder(&url)
-            .prefix(format!("{}:", unique("idem-sync")))
-            .build()
-            .unwrap();
-        let run = Run::new("sync").with_store(store);
-        let err = sync_call(&run, 1).unwrap_err();
-        assert!(matches!(err, Error::Store { store: "redis", .. }), "{err}");
+        for (name, store) in sync_stores(&pg, &redis, &table).await {
+            let run = Run::new("sync-direct").with_shared_store(store);
+            let started = Instant::now();
+            let err = sync_call(&run, 1).unwrap_err();
+            assert!(matches!(err, Error::Store { .. }), "{name}: {err}");
+            assert!(err.to_string().contains("spawn_blocking"), "{name}: {err}");
+            assert!(started.elapsed() < Duration::from_secs(10), "{name}");
+        }
+        drop_table(&pg, &table).await;
     });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sync_tools_on_network_stores_run_once_from_spawn_blocking() {
+#[test]
+fn a_sync_tool_on_a_network_store_runs_once_inside_spawn_blocking_on_either_runtime_flavor() {
     let (Some(pg), Some(redis)) = (postgres_url(), redis_url()) else {
         return;
     };
-    let table = unique("idem_sync");
-    let stores: Vec<Arc<dyn Store>> = vec![
-        Arc::new(
-            PostgresStore::builder(&pg)
-                .table(&table)
-                .connect()
-                .await
-                .unwrap(),
-        ),
-        Arc::new(
-            RedisStore::builder(&redis)
-                .prefix(format!("{}:", unique("idem-sync")))
-                .connect()
-                .await
-                .unwrap(),
-        ),
+    let flavors = [
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap(),
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap(),
     ];
-    for store in stores {
-        let run = Run::new("sync").with_shared_store(store);
-        let got = tokio::task::spawn_blocking(move || (sync_call(&run, 21), sync_call(&run, 21)))
-            .await
-            .unwrap();
-        assert_eq!((got.0.unwrap().unwrap(), got.1.unwrap().unwrap()), (42, 42));
+    for (i, rt) in flavors.into_iter().enumerate() {
+        let table = unique("idem_sync");
+        rt.block_on(async {
+            for (name, store) in sync_stores(&pg, &redis, &table).await {
+                let run = Run::new(format!("sync-{i}")).with_shared_store(store);
+                let before = SYNC_RUNS.load(SeqCst);
+                let got =
+                    tokio::task::spawn_blocking(move || (sync_call(&run, 21), sync_call(&run, 21)))
+                        .await
+                        .unwrap();
+                assert_eq!(
+                    (got.0.unwrap().unwrap(), got.1.unwrap().unwrap()),
+                    (42, 42),
+                    "{name}, runtime {i}"
+                );
+                assert_eq!(SYNC_RUNS.load(SeqCst) - before, 1, "{name}, runtime {i}");
+            }
+            drop_table(&pg, &table).await;
+        });
     }
-    drop_table(&pg, &table).await;
 }

@@ -101,6 +101,7 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
+use crate::error::Fault;
 use crate::record::{Record, State, Timestamp, Token};
 use crate::store::{decide_claim, in_local_clock, Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{Error, Fingerprint, Key};
@@ -307,8 +308,20 @@ impl Sql {
     }
 }
 
-fn pg_error(e: impl std::fmt::Display) -> Error {
-    Error::store(STORE, e.to_string())
+/// A Postgres failure with its whole cause: the server's message and SQLSTATE, or the
+/// connection's OS error; the original error stays its source.
+fn pg_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+    let e = e.into();
+    let mut text = crate::error::chain(&*e);
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(&*e);
+    while let Some(level) = next {
+        if let Some(db) = level.downcast_ref::<tokio_postgres::error::DbError>() {
+            text.push_str(&format!(" (SQLSTATE {})", db.code().code()));
+            break;
+        }
+        next = level.source();
+    }
+    Error::store(STORE, Fault::new(text, e))
 }
 
 /// A fenced statement's outcome: it changed the one row, or found no row the caller owns.

@@ -48,6 +48,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
+use crate::error::Fault;
 use crate::record::{
     millis, Record, State, Timestamp, Token, FINGERPRINT_AT, IN_PROGRESS_LEN, IN_PROGRESS_TAG,
     TOKEN_AT,
@@ -271,8 +272,10 @@ fn server_version(info: &str) -> Option<(u32, u32)> {
     Some((parts.next()?.ok()?, parts.next()?.ok()?))
 }
 
-fn redis_error(e: impl std::fmt::Display) -> Error {
-    Error::store(STORE, e.to_string())
+/// A Redis failure with its whole cause (the server's reply, the connection's OS
+/// error); the original error stays its source.
+fn redis_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+    Error::store(STORE, Fault::chained(e))
 }
 
 impl RedisStore {

@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::error::Fault;
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, OwnerWrite, Store,
@@ -63,21 +64,60 @@ struct Inner {
 /// Open databases of this process, by canonical path.
 static OPEN: Mutex<Option<HashMap<PathBuf, Weak<Inner>>>> = Mutex::new(None);
 
-/// How long `open` keeps trying a directory whose lock is held. A database this
-/// process just closed releases its lock from sled's background thread a moment later;
-/// a directory another process holds stays locked, and `open` gives up after this.
+/// How long `open` keeps trying a directory whose lock is held, when this process
+/// closed a store there a moment ago: sled's background thread lets go of the lock a
+/// little after the last handle is dropped. A directory this process did not just close
+/// is held by another process, and `open` fails at once.
 const LOCK_PATIENCE: Duration = Duration::from_millis(1500);
 
+/// Directories whose store this process closed, and when: their lock may still be
+/// on its way out.
+static CLOSED: Mutex<Option<HashMap<PathBuf, std::time::Instant>>> = Mutex::new(None);
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let mut closed = CLOSED.lock().unwrap_or_else(|p| p.into_inner());
+        let closed = closed.get_or_insert_with(HashMap::new);
+        closed.retain(|_, at| at.elapsed() < LOCK_PATIENCE);
+        closed.insert(self.path.clone(), std::time::Instant::now());
+    }
+}
+
+/// Whether this process closed a store in `path` within [`LOCK_PATIENCE`].
+fn closed_here_lately(path: &Path) -> bool {
+    let closed = CLOSED.lock().unwrap_or_else(|p| p.into_inner());
+    closed
+        .as_ref()
+        .and_then(|c| c.get(path))
+        .is_some_and(|at| at.elapsed() < LOCK_PATIENCE)
+}
+
+/// The error for a directory another process holds: sled takes one process per
+/// directory.
+fn held_elsewhere(path: &Path, source: std::io::Error) -> Error {
+    Error::store(
+        "sled",
+        Fault::new(
+            format!(
+                "the sled store in {} is held by another process (a sled directory serves one \
+                 process at a time): give each process its own directory (IDEM_DIR, or \
+                 SledStore::open), or use the Postgres or Redis store for several workers",
+                path.display()
+            ),
+            source,
+        ),
+    )
+}
+
 fn open_db(path: &Path) -> Result<::sled::Db, Error> {
-    let deadline = std::time::Instant::now() + LOCK_PATIENCE;
     let mut cleared = false;
     loop {
         match ::sled::Config::new().path(path).open() {
             Ok(db) => return Ok(db),
-            Err(::sled::Error::Io(e))
-                if e.to_string().contains("could not acquire lock")
-                    && std::time::Instant::now() < deadline =>
-            {
+            Err(::sled::Error::Io(e)) if e.to_string().contains("could not acquire lock") => {
+                if !closed_here_lately(path) {
+                    return Err(held_elsewhere(path, e));
+                }
                 std::thread::sleep(Duration::from_millis(20));
             }
             Err(::sled::Error::Corruption { .. }) if !cleared => {
@@ -127,7 +167,7 @@ fn remove_unfinished_snapshots(path: &Path) -> Result<bool, Error> {
 }
 
 fn sled_error(e: ::sled::Error) -> Error {
-    Error::store("sled", e)
+    Error::store("sled", Fault::chained(e))
 }
 
 impl SledStore {
