@@ -108,9 +108,10 @@ pub use idem_macros::idempotent;
 /// What generated code calls. Not public API: may change in any release.
 #[doc(hidden)]
 pub mod __private {
+    pub use idem_core::key::{default_tool_name, Sorted};
     pub use idem_core::protocol::{
         execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Call, KeyInput,
-        ReleaseErrors, RunSource, ToolOutput,
+        ReleaseErrors, RunArgument, RunSource, ToolOutput,
     };
     pub use idem_core::Options;
 }

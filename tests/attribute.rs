@@ -61,7 +61,9 @@ async fn async_tool_in_a_scoped_run_runs_once() {
 async fn no_run_is_an_error_and_nothing_runs() {
     let before = SENT.load(Ordering::SeqCst);
     let err = send_email(email("ada@x", "hi")).await.unwrap_err();
-    assert!(matches!(err, ToolError::Idem(Error::NoRun { ref tool })  if tool == "send_email"));
+    assert!(
+        matches!(err, ToolError::Idem(Error::NoRun { ref tool })  if tool == "attribute::send_email")
+    );
     assert_eq!(SENT.load(Ordering::SeqCst), before);
 }
 
@@ -303,7 +305,9 @@ async fn nested_tools_are_keyed_separately() {
     let (outer, inner, after) = run.scope(outer_tool(1, &counter)).await.unwrap();
     assert_ne!(outer, inner);
     assert_eq!(outer, after);
-    assert!(outer.starts_with("outer_tool.") && inner.starts_with("inner_tool."));
+    assert!(
+        outer.starts_with("attribute__outer_tool.") && inner.starts_with("attribute__inner_tool.")
+    );
     run.scope(outer_tool(1, &counter)).await.unwrap();
     // Inner directly, with the same input, is a replay of the nested call.
     assert_eq!(run.scope(inner_tool(1, &counter)).await.unwrap(), inner);

@@ -868,7 +868,7 @@ fn a_runtime_dropped_under_a_finishing_body_settles_its_claim_on_sled() {
 }
 
 /// Blocks its thread (wrongly, but it happens) for four times its lease.
-#[idempotent(lease = "300ms", skip = [provider])]
+#[idempotent(name = "blocks_its_thread", lease = "300ms", skip = [provider])]
 async fn blocks_its_thread(provider: Provider, id: u32) -> Result<String, Error> {
     let n = provider.deliver();
     // Blocks before it ever waits.
@@ -990,7 +990,7 @@ async fn on_cancel_finish_copies_self_only_when_the_body_runs() {
     );
 }
 
-#[idempotent(lease = "300ms", skip = [provider])]
+#[idempotent(name = "kept_alive", lease = "300ms", skip = [provider])]
 async fn kept_alive(provider: Provider, id: u32) -> Result<String, Error> {
     let n = provider.deliver();
     tokio::time::sleep(Duration::from_millis(1200)).await;

@@ -144,6 +144,60 @@ pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde
     Ok(out)
 }
 
+/// The tool name the attribute gives a function without a `name` option: the path
+/// of the function as [`std::any::type_name`] writes a closure defined in its body,
+/// without the closures' own segments.
+///
+/// That path names the module, and for a method the type *and the trait*, with the
+/// generic arguments of this instantiation: `my_agent::tools::send_email`,
+/// `<my_agent::Notifier as my_agent::EmailTool>::send`, `my_agent::Queue<u32>::push`.
+/// So no two tools, and no two instantiations of one generic tool, share a name. It
+/// changes when the function moves, and could change with a compiler whose
+/// `type_name` writes paths differently; a tool whose keys must outlive such a change
+/// sets `name = "..."`.
+pub fn default_tool_name(closure_type_name: &'static str) -> &'static str {
+    let mut name = closure_type_name;
+    while let Some(outer) = name.strip_suffix("::{{closure}}") {
+        name = outer;
+    }
+    name
+}
+
+/// Keys a set-like collection as a set: its elements in sorted order, so the same set
+/// serializes alike in every process.
+///
+/// A `HashSet` serializes in hash order, which differs from process to process (its
+/// hasher is seeded at random): the same set would get a new key each time. The
+/// attribute keys a `HashSet` argument this way by itself; for a set inside an input,
+/// put `#[serde(serialize_with = "idem::key::sorted")]` on the field, or use a
+/// `BTreeSet`. Sequences (`Vec`) keep their order, since order can be meaningful.
+pub struct Sorted<'a, C: ?Sized>(pub &'a C);
+
+impl<'a, C: ?Sized> Serialize for Sorted<'a, C>
+where
+    &'a C: IntoIterator,
+    <&'a C as IntoIterator>::Item: Ord + Serialize,
+{
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        sorted(self.0, serializer)
+    }
+}
+
+/// Serializes a set-like collection with its elements sorted: for
+/// `#[serde(serialize_with = "idem::key::sorted")]` on a `HashSet` field of an input
+/// (see [`Sorted`]).
+pub fn sorted<'a, C, S>(set: &'a C, serializer: S) -> Result<S::Ok, S::Error>
+where
+    C: ?Sized,
+    &'a C: IntoIterator,
+    <&'a C as IntoIterator>::Item: Ord + Serialize,
+    S: serde::Serializer,
+{
+    let mut elements: Vec<_> = set.into_iter().collect();
+    elements.sort();
+    serializer.collect_seq(elements)
+}
+
 /// Who calls which tool: the parts of a key besides its input.
 ///
 /// `tenant` and `call_id` are optional; `None` and `Some("")` are different keys.
@@ -215,7 +269,9 @@ impl Key {
         // Built on the stack, then allocated once as the `Arc<str>`.
         let mut text = [0u8; LABEL_MAX + 1 + 64];
         let mut len = 0;
-        for c in tool.chars().take(LABEL_MAX) {
+        // A long name keeps its end, where a path names the function.
+        let skip = tool.chars().count().saturating_sub(LABEL_MAX);
+        for c in tool.chars().skip(skip) {
             text[len] = match c {
                 'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c as u8,
                 _ => b'_',

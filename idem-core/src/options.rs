@@ -91,6 +91,12 @@ impl Options {
     /// would block every retry of it.
     pub const DEFAULT_MAX_RUN: Duration = Duration::from_secs(10 * 60);
 
+    /// The longest duration any option takes: 100 years (36,500 days). The attribute
+    /// refuses a longer literal at compile time; a longer value set in code is cut to it
+    /// when the call is made. Every store represents every time up to it, so the largest
+    /// TTL is the same everywhere.
+    pub const LONGEST: Duration = Duration::from_secs(36_500 * 24 * 60 * 60);
+
     /// The defaults.
     pub const fn new() -> Self {
         Options {
@@ -135,6 +141,18 @@ impl Options {
     /// Reports `OutcomeUnknown` instead of running again after a claim was given up.
     pub const fn at_most_once(mut self) -> Self {
         self.delivery = Delivery::AtMostOnce;
+        self
+    }
+
+    /// These options with every duration cut to [`Options::LONGEST`].
+    pub(crate) fn clamped(mut self) -> Self {
+        let cut = |d: Duration| d.min(Self::LONGEST);
+        self.ttl = cut(self.ttl);
+        self.lease = cut(self.lease);
+        self.max_run = cut(self.max_run);
+        if let OnBusy::Wait(Some(max)) = self.on_busy {
+            self.on_busy = OnBusy::Wait(Some(cut(max)));
+        }
         self
     }
 

@@ -65,6 +65,31 @@ use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::wait::{self, AsyncPause, BlockingPause, Pause};
 use crate::{Error, Fingerprint, Key, KeyParts, Run};
 
+/// The argument the attribute takes for the call's run: an argument whose type is
+/// written `Run` or `&Run` (or `idem::Run`). A type of another crate named `Run` is
+/// caught here, with the error saying why.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not idem's `Run`, but `#[idempotent]` took this argument for the call's run because its type is named `Run`",
+    label = "taken for the run, since its type is named `Run`",
+    note = "to make it an ordinary input (part of the key), write its type by another path (`workflow::Run`) or alias (`use workflow::Run as WorkflowRun;`); idem's run argument is an `idem::Run` or `&idem::Run`"
+)]
+pub trait RunArgument {
+    /// The run.
+    fn as_run(&self) -> &Run;
+}
+
+impl RunArgument for Run {
+    fn as_run(&self) -> &Run {
+        self
+    }
+}
+
+impl<T: RunArgument + ?Sized> RunArgument for &T {
+    fn as_run(&self) -> &Run {
+        (**self).as_run()
+    }
+}
+
 /// Where a call's run comes from, for the attribute's `run = expr` option: a `Run`, a
 /// `&Run`, an `Arc<Run>` (as context maps such as rig's `ToolContext::scope` hand out),
 /// or an `Option` of one (`None`: use the ambient run).
@@ -288,7 +313,7 @@ impl Call {
             run,
             tool: tool.into(),
             fingerprint,
-            options,
+            options: options.clamped(),
         })
     }
 

@@ -195,18 +195,38 @@ fn completed_call_survives_kill_9_and_is_replayed() {
 }
 
 #[test]
-fn store_open_in_another_process_is_a_clear_error_not_a_hang() {
+fn a_sled_directory_held_by_another_process_is_a_prompt_error_naming_it_and_the_way_out() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = spawn_child("hold", dir.path(), "run-hold");
     wait_for_marker(dir.path(), &mut child);
+    let path = dir.path().join("store");
     let started = Instant::now();
-    let err = SledStore::open(dir.path().join("store")).unwrap_err();
-    assert!(started.elapsed() < Duration::from_secs(5));
-    assert!(matches!(err, Error::Store { store: "sled", .. }), "{err}");
-    assert!(err.to_string().contains("lock"), "{err}");
+    let opened = SledStore::open(&path);
+    let took = started.elapsed();
     kill_9(child);
+    let err = opened.unwrap_err();
+    assert!(took < Duration::from_millis(500), "took {took:?}");
+    assert!(matches!(err, Error::Store { store: "sled", .. }), "{err}");
+    let text = err.to_string();
+    let dir_name = path.canonicalize().unwrap();
+    for needle in [
+        &*dir_name.to_string_lossy(),
+        "held by another process",
+        "IDEM_DIR",
+        "Postgres or Redis",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from: {text}");
+    }
+    // The OS error stays in the source chain, for an error reporter.
+    let mut causes = Vec::new();
+    let mut next = std::error::Error::source(&err);
+    while let Some(cause) = next {
+        causes.push(cause.to_string());
+        next = cause.source();
+    }
+    assert!(causes.iter().any(|c| c.contains("lock")), "{causes:?}");
     // Once the other process is gone, the store opens.
-    SledStore::open(dir.path().join("store")).unwrap();
+    SledStore::open(&path).unwrap();
 }
 
 #[test]

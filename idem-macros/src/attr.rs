@@ -36,6 +36,8 @@ pub struct Args {
     /// The tool name: a string literal, or an expression giving `&str` (`Self::NAME`).
     pub name: Option<Expr>,
     pub key: Option<Vec<Expr>>,
+    /// `scope = [self.account, ..]`: fields of the receiver that join the key.
+    pub scope: Vec<Expr>,
     pub skip: Vec<Ident>,
     pub krate: Option<Path>,
     pub map_error: Option<Path>,
@@ -43,7 +45,7 @@ pub struct Args {
 }
 
 const OPTIONS: &str = "ttl, lease, wait, max_run, on_cancel, fail_fast, at_most_once, \
-                       cache_errors, name, key, skip, run, map_error, crate";
+                       cache_errors, name, key, scope, skip, run, map_error, crate";
 
 impl Parse for Args {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
@@ -117,6 +119,22 @@ impl Parse for Args {
                     }
                     args.key = Some(exprs.into_iter().collect());
                 }
+                "scope" => {
+                    input.parse::<Token![=]>()?;
+                    let content;
+                    syn::bracketed!(content in input);
+                    let exprs = Punctuated::<Expr, Token![,]>::parse_terminated(&content)?;
+                    if exprs.is_empty() {
+                        return Err(syn::Error::new(
+                            name.span(),
+                            "`scope = []` is empty: name the fields of `self` that tell two receivers apart, like `scope = [self.account]`",
+                        ));
+                    }
+                    for expr in &exprs {
+                        self_field(expr)?;
+                    }
+                    args.scope = exprs.into_iter().collect();
+                }
                 "skip" => {
                     input.parse::<Token![=]>()?;
                     let content;
@@ -188,6 +206,24 @@ pub fn key_root(expr: &Expr) -> syn::Result<&Ident> {
         other => Err(syn::Error::new_spanned(
             other,
             "a key entry is an argument or a field of one, like `input` or `input.to`",
+        )),
+    }
+}
+
+/// Checks a `scope = [...]` entry: a field of `self`, like `self.account` or
+/// `self.config.tenant`.
+fn self_field(expr: &Expr) -> syn::Result<()> {
+    let mut base = expr;
+    let mut fields = 0;
+    while let Expr::Field(f) = base {
+        base = &f.base;
+        fields += 1;
+    }
+    match base {
+        Expr::Path(p) if fields > 0 && p.qself.is_none() && p.path.is_ident("self") => Ok(()),
+        _ => Err(syn::Error::new_spanned(
+            expr,
+            "a `scope` entry is a field of `self`, like `self.account`: the parts of the receiver that join the key",
         )),
     }
 }

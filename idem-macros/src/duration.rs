@@ -2,8 +2,15 @@
 //!
 //! A literal is one or more `<digits><unit>` groups, units `ms`, `s`, `m`, `h`, `d`,
 //! each unit at most once, largest first. Zero, signs, spaces, fractions, a missing or
-//! unknown unit, and totals past `u64::MAX` milliseconds are errors: the attribute
+//! unknown unit, and totals over 100 years (`Options::LONGEST`) are errors: the attribute
 //! reports them at the literal, at compile time.
+
+/// The longest duration an option takes: 100 years, `idem::Options::LONGEST`.
+const LONGEST_MILLIS: u128 = 36_500 * 86_400_000;
+
+fn too_long(text: &str) -> String {
+    format!("duration `{text}` is longer than the longest idem takes, 100 years (\"36500d\")")
+}
 
 /// Parses a duration literal into milliseconds.
 pub fn parse_millis(text: &str) -> Result<u64, String> {
@@ -52,21 +59,22 @@ pub fn parse_millis(text: &str) -> Result<u64, String> {
             ));
         }
         last = Some(index);
-        let value: u128 = number
-            .parse()
-            .map_err(|_| format!("duration `{text}` is too large"))?;
+        let value: u128 = number.parse().map_err(|_| too_long(text))?;
         total = value
             .checked_mul(UNITS[index].1)
             .and_then(|v| v.checked_add(total))
-            .ok_or_else(|| format!("duration `{text}` is too large"))?;
+            .ok_or_else(|| too_long(text))?;
         rest = after;
+    }
+    if total > LONGEST_MILLIS {
+        return Err(too_long(text));
     }
     if total == 0 {
         return Err(format!(
             "duration `{text}` is zero: it must be greater than zero"
         ));
     }
-    u64::try_from(total).map_err(|_| format!("duration `{text}` is too large"))
+    u64::try_from(total).map_err(|_| too_long(text))
 }
 
 #[cfg(test)]
@@ -83,6 +91,7 @@ mod tests {
         assert_eq!(parse_millis("250ms"), Ok(250));
         assert_eq!(parse_millis("1d2h3m4s5ms"), Ok(93_784_005));
         assert_eq!(parse_millis("0h5m"), Ok(300_000));
+        assert_eq!(parse_millis("36500d"), Ok(3_153_600_000_000));
     }
 
     #[test]
@@ -102,6 +111,9 @@ mod tests {
             "1H",
             "99999999999999999999999999999999999999999d",
             "213503982335d",
+            "36501d",
+            "36500d1ms",
+            "1000000000d",
             "+1h",
             "1h ",
         ] {

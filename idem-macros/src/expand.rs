@@ -32,10 +32,14 @@ use crate::cancel;
 
 /// How an argument takes part in the call.
 enum Role {
-    /// The explicit run: `run: &Run` or `run: Run`.
-    Run { by_ref: bool },
+    /// The explicit run: `run: &Run` or `run: Run`; `ty` is its type, where an error
+    /// about it points.
+    Run { ty: Span },
     /// Serialized into the fingerprint (and the key, unless `key = [...]` says otherwise).
     Input,
+    /// A `HashSet` input: keyed as a set (sorted), since its own order is the hash's.
+    /// `by_ref` when the argument is a reference to one.
+    Set { by_ref: bool },
     /// Listed in `skip = [...]`.
     Skipped,
 }
@@ -66,23 +70,27 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     let params = params(&func, &args)?;
     let has_receiver = func.sig.receiver().is_some();
 
-    // The tool name: the `name` option, else the function's name (prefixed by the type
-    // for methods, so `call` on two types are two tools).
-    let fn_name = func.sig.ident.to_string();
-    let name = match (&args.name, has_receiver) {
-        (Some(name), _) => quote!(#name),
-        (None, true) => quote!(&::std::format!(
-            "{}::{}",
-            ::core::any::type_name::<Self>(),
-            #fn_name
-        )),
-        (None, false) => quote!(#fn_name),
+    // The tool name: the `name` option, else the function's path as the compiler writes
+    // a closure made in its body: module, type and trait, with this instantiation's
+    // generic arguments. No two tools share it.
+    let name = match &args.name {
+        Some(name) => quote!(#name),
+        None => quote!({
+            let __idem_here = || ();
+            #private::default_tool_name(::core::any::type_name_of_val(&__idem_here))
+        }),
     };
+    if let (Some(first), false) = (args.scope.first(), has_receiver) {
+        return Err(syn::Error::new_spanned(
+            first,
+            "`scope` names fields of `self`, and this function has no `self`",
+        ));
+    }
 
     let options = options(&args, &private);
 
     let run_param = params.iter().find_map(|p| match p.role {
-        Role::Run { by_ref } => Some((&p.ident, by_ref)),
+        Role::Run { ty } => Some((&p.ident, ty)),
         _ => None,
     });
     // `run = expr`: where the run comes from (a request's metadata, a context argument);
@@ -102,8 +110,12 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     };
     let run = match (run_source.is_some(), run_param) {
         (true, _) => quote!(#private::RunSource::run(&__idem_run)),
-        (false, Some((ident, true))) => quote!(::core::option::Option::Some(#ident)),
-        (false, Some((ident, false))) => quote!(::core::option::Option::Some(&#ident)),
+        // Spanned at the argument's type: a type of another crate named `Run` is an
+        // error there, saying why.
+        (false, Some((ident, ty))) => {
+            let as_run = respan(quote!(#private::RunArgument::as_run), ty);
+            quote_spanned!(ty=> ::core::option::Option::Some(#as_run(&#ident)))
+        }
         (false, None) => quote!(::core::option::Option::None),
     };
 
@@ -113,15 +125,40 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         let span = e.span();
         quote_spanned!(span=> &#e as &dyn #private::KeyInput)
     };
+    // A `HashSet` argument, keyed as a set.
+    let as_set = |ident: &Ident, by_ref: bool| {
+        let set = if by_ref {
+            quote!(#ident)
+        } else {
+            quote!(&#ident)
+        };
+        quote_spanned!(ident.span()=> &#private::Sorted(#set) as &dyn #private::KeyInput)
+    };
+    let argument = |p: &Param| match p.role {
+        Role::Set { by_ref } => Some(as_set(&p.ident, by_ref)),
+        Role::Input => Some(as_input(&p.ident)),
+        Role::Run { .. } | Role::Skipped => None,
+    };
+    // `scope = [self.account]`: fields of the receiver, after the arguments.
+    let scope: Vec<TokenStream> = args.scope.iter().map(|e| as_input(e)).collect();
     let inputs: Vec<TokenStream> = params
         .iter()
-        .filter(|p| matches!(p.role, Role::Input))
-        .map(|p| as_input(&p.ident))
+        .filter_map(argument)
+        .chain(scope.clone())
         .collect();
     let key = match &args.key {
         None => quote!(::core::option::Option::None),
         Some(key) => {
-            let key: Vec<TokenStream> = key.iter().map(|e| as_input(e)).collect();
+            let key: Vec<TokenStream> = key
+                .iter()
+                .map(|e| {
+                    let whole = params
+                        .iter()
+                        .find(|p| matches!(e, Expr::Path(path) if path.path.is_ident(&p.ident)));
+                    whole.and_then(argument).unwrap_or_else(|| as_input(e))
+                })
+                .chain(scope)
+                .collect();
             quote!(::core::option::Option::Some(&[#(#key),*]))
         }
     };
@@ -260,6 +297,7 @@ fn params(func: &ItemFn, args: &Args) -> syn::Result<Vec<Param>> {
                     let role = if args.skip.contains(&ident) {
                         Role::Skipped
                     } else {
+                        no_set_inside(&typed.ty)?;
                         Role::Input
                     };
                     params.push(Param { ident, role });
@@ -269,7 +307,7 @@ fn params(func: &ItemFn, args: &Args) -> syn::Result<Vec<Param>> {
         };
         let role = if args.skip.contains(&ident) {
             Role::Skipped
-        } else if let Some(by_ref) = run_type(&typed.ty) {
+        } else if run_type(&typed.ty).is_some() {
             if let Some(first) = run_seen {
                 let mut err =
                     syn::Error::new_spanned(&typed.ty, "only one `Run` argument is allowed");
@@ -277,8 +315,13 @@ fn params(func: &ItemFn, args: &Args) -> syn::Result<Vec<Param>> {
                 return Err(err);
             }
             run_seen = Some(typed.ty.span());
-            Role::Run { by_ref }
+            Role::Run {
+                ty: typed.ty.span(),
+            }
+        } else if let Some(by_ref) = set_type(&typed.ty) {
+            Role::Set { by_ref }
         } else {
+            no_set_inside(&typed.ty)?;
             Role::Input
         };
         params.push(Param { ident, role });
@@ -294,7 +337,7 @@ fn params(func: &ItemFn, args: &Args) -> syn::Result<Vec<Param>> {
     for entry in args.key.iter().flatten() {
         let root = key_root(entry)?;
         match params.iter().find(|p| &p.ident == root).map(|p| &p.role) {
-            Some(Role::Input) => {}
+            Some(Role::Input | Role::Set { .. }) => {}
             Some(Role::Run { .. }) => {
                 return Err(syn::Error::new_spanned(
                     entry,
@@ -348,18 +391,72 @@ fn bindings(pattern: &Pat, out: &mut Vec<Ident>) -> syn::Result<()> {
     }
 }
 
-/// `Some(by_ref)` when `ty` is `Run`, `&Run` or a path ending in `Run` (`idem::Run`).
+/// `Some(by_ref)` when `ty` is written `Run` or `&Run`, alone or as `idem::Run` (or
+/// `idem_core::Run`). `workflow::Run` is another crate's type, and an input.
 fn run_type(ty: &Type) -> Option<bool> {
+    let (ty, by_ref) = match ty {
+        Type::Reference(r) if r.mutability.is_none() => (&*r.elem, true),
+        other => (other, false),
+    };
+    let Type::Path(p) = ty else { return None };
+    if p.qself.is_some() {
+        return None;
+    }
+    let segments: Vec<&syn::PathSegment> = p.path.segments.iter().collect();
+    let (last, before) = segments.split_last()?;
+    let ours = match before {
+        [] => true,
+        [.., krate] => krate.ident == "idem" || krate.ident == "idem_core",
+    };
+    (ours && last.ident == "Run" && last.arguments.is_none()).then_some(by_ref)
+}
+
+/// Whether a path segment names a hash set (`HashSet`, and aliases such as
+/// `FxHashSet` or `AHashSet`), which serializes in hash order.
+fn is_hash_set(segment: &syn::PathSegment) -> bool {
+    segment.ident.to_string().ends_with("HashSet")
+}
+
+/// `Some(by_ref)` when `ty` is a hash set, or a shared reference to one: an argument
+/// the attribute keys as a set.
+fn set_type(ty: &Type) -> Option<bool> {
     let (ty, by_ref) = match ty {
         Type::Reference(r) if r.mutability.is_none() => (&*r.elem, true),
         other => (other, false),
     };
     match ty {
         Type::Path(p) if p.qself.is_none() => {
-            let last = p.path.segments.last()?;
-            (last.ident == "Run" && last.arguments.is_none()).then_some(by_ref)
+            is_hash_set(p.path.segments.last()?).then_some(by_ref)
         }
         _ => None,
+    }
+}
+
+/// An error at a hash set inside an argument's type (`Option<HashSet<T>>`,
+/// `Vec<HashSet<T>>`): it would serialize in hash order, a new key in every process,
+/// and the attribute can key only a whole argument as a set.
+fn no_set_inside(ty: &Type) -> syn::Result<()> {
+    struct Find<'a>(Option<&'a syn::PathSegment>);
+    impl<'a> syn::visit::Visit<'a> for Find<'a> {
+        fn visit_path_segment(&mut self, segment: &'a syn::PathSegment) {
+            if self.0.is_none() && is_hash_set(segment) {
+                self.0 = Some(segment);
+            }
+            syn::visit::visit_path_segment(self, segment);
+        }
+    }
+    let mut find = Find(None);
+    syn::visit::Visit::visit_type(&mut find, ty);
+    match find.0 {
+        None => Ok(()),
+        Some(set) => Err(syn::Error::new_spanned(
+            set,
+            "a hash set serializes in hash order, which differs from process to process, so \
+             this argument would get a new idempotency key in every process: use a `BTreeSet`, \
+             pass the set as an argument of its own (the attribute keys a `HashSet` argument as \
+             a set), or wrap it in a type whose field has \
+             `#[serde(serialize_with = \"idem::key::sorted\")]`",
+        )),
     }
 }
 

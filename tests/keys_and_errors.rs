@@ -1,0 +1,626 @@
+//! Keys that never collide silently, records that always read back, and errors that say
+//! whether the body ran: each test is one way a user could be given a wrong answer, and
+//! checks what they observe (how often the body ran, what each caller got, what the
+//! store holds) on every store where it applies.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem::record::Token;
+use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
+use idem::{idempotent, Error, Key, LocalCache, MemoryStore, Record, Run, SledStore};
+use serde::{Deserialize, Serialize};
+
+/// Counts how often a body really ran.
+#[derive(Clone, Default)]
+struct Ran(Arc<AtomicUsize>);
+
+impl Ran {
+    fn bump(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+    fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+fn run(id: &str) -> Run {
+    Run::new(id).with_store(MemoryStore::new())
+}
+
+fn unique(prefix: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// Every store a test runs on: memory, sled, `LocalCache`, and Postgres and Redis when
+/// their URLs are set (said loudly when they are not).
+async fn stores(dir: &std::path::Path) -> Vec<(&'static str, Arc<dyn Store>)> {
+    let mut stores: Vec<(&'static str, Arc<dyn Store>)> = vec![
+        ("memory", Arc::new(MemoryStore::new())),
+        (
+            "sled",
+            Arc::new(SledStore::open(dir.join(unique("sled"))).unwrap()),
+        ),
+        ("local-cache", Arc::new(LocalCache::new(MemoryStore::new()))),
+    ];
+    #[cfg(feature = "postgres")]
+    match std::env::var("IDEM_POSTGRES_URL") {
+        Ok(url) => stores.push((
+            "postgres",
+            Arc::new(
+                idem::PostgresStore::builder(&url)
+                    .table(unique("idem_keys"))
+                    .connect()
+                    .await
+                    .unwrap(),
+            ),
+        )),
+        Err(_) => eprintln!("SKIPPED the Postgres store: IDEM_POSTGRES_URL is not set"),
+    }
+    #[cfg(feature = "redis")]
+    match std::env::var("IDEM_REDIS_URL") {
+        Ok(url) => stores.push((
+            "redis",
+            Arc::new(
+                idem::RedisStore::builder(&url)
+                    .prefix(format!("{}:", unique("idem-keys")))
+                    .connect()
+                    .await
+                    .unwrap(),
+            ),
+        )),
+        Err(_) => eprintln!("SKIPPED the Redis store: IDEM_REDIS_URL is not set"),
+    }
+    #[cfg(not(all(feature = "postgres", feature = "redis")))]
+    eprintln!("SKIPPED the network stores: built without the postgres and redis features");
+    stores
+}
+
+// ----- Keys ------------------------------------------------------------------------
+
+trait EmailTool {
+    async fn send(&self, to: String) -> Result<String, Error>;
+}
+
+trait SmsTool {
+    async fn send(&self, to: String) -> Result<String, Error>;
+}
+
+#[derive(Clone, Default)]
+struct Notifier {
+    emails: Ran,
+    texts: Ran,
+}
+
+impl EmailTool for Notifier {
+    #[idempotent]
+    async fn send(&self, to: String) -> Result<String, Error> {
+        Ok(format!("email {} to {to}", self.emails.bump()))
+    }
+}
+
+impl SmsTool for Notifier {
+    #[idempotent]
+    async fn send(&self, to: String) -> Result<String, Error> {
+        Ok(format!("sms {} to {to}", self.texts.bump()))
+    }
+}
+
+#[tokio::test]
+async fn two_traits_with_one_method_name_on_one_type_are_two_tools() {
+    let (run, notifier) = (run("traits"), Notifier::default());
+    let email = run
+        .scope(EmailTool::send(&notifier, "+1555".into()))
+        .await
+        .unwrap();
+    let sms = run
+        .scope(SmsTool::send(&notifier, "+1555".into()))
+        .await
+        .unwrap();
+    assert_eq!(
+        (email.as_str(), sms.as_str()),
+        ("email 1 to +1555", "sms 1 to +1555")
+    );
+    assert_eq!(
+        (notifier.emails.get(), notifier.texts.get()),
+        (1, 1),
+        "the SMS was sent"
+    );
+    // Each still replays its own result.
+    let again = run
+        .scope(SmsTool::send(&notifier, "+1555".into()))
+        .await
+        .unwrap();
+    assert_eq!(again, "sms 1 to +1555");
+    assert_eq!(notifier.texts.get(), 1);
+}
+
+mod billing {
+    use super::*;
+    pub static RAN: AtomicUsize = AtomicUsize::new(0);
+    #[idempotent]
+    pub async fn notify(user: u64) -> Result<String, Error> {
+        RAN.fetch_add(1, Ordering::SeqCst);
+        Ok("billing".into())
+    }
+}
+
+mod security {
+    use super::*;
+    pub static RAN: AtomicUsize = AtomicUsize::new(0);
+    #[idempotent]
+    pub async fn notify(user: u64) -> Result<String, Error> {
+        RAN.fetch_add(1, Ordering::SeqCst);
+        Ok("security".into())
+    }
+}
+
+#[tokio::test]
+async fn functions_of_one_name_in_two_modules_are_two_tools() {
+    let run = run("modules");
+    let billing = run.scope(billing::notify(7)).await.unwrap();
+    let security = run.scope(security::notify(7)).await.unwrap();
+    assert_eq!(
+        (billing.as_str(), security.as_str()),
+        ("billing", "security")
+    );
+    assert_eq!(billing::RAN.load(Ordering::SeqCst), 1);
+    assert_eq!(security::RAN.load(Ordering::SeqCst), 1);
+}
+
+static GENERIC_RAN: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent]
+async fn store_number<T: Serialize + Send + 'static>(n: T) -> Result<String, Error> {
+    GENERIC_RAN.fetch_add(1, Ordering::SeqCst);
+    Ok(std::any::type_name::<T>().to_string())
+}
+
+#[tokio::test]
+async fn a_generic_tool_called_with_two_types_is_two_tools() {
+    // `1u8` and `1i64` write the same JSON: only the type parameter tells them apart.
+    let run = run("generic");
+    let a = run.scope(store_number(1u8)).await.unwrap();
+    let b = run.scope(store_number(1i64)).await.unwrap();
+    assert_eq!((a.as_str(), b.as_str()), ("u8", "i64"));
+    assert_eq!(GENERIC_RAN.load(Ordering::SeqCst), 2);
+}
+
+/// A tool object carrying its own account: `scope` puts the account into the key.
+#[derive(Clone)]
+struct Payments {
+    account: String,
+    ran: Ran,
+}
+
+impl Payments {
+    #[idempotent(scope = [self.account])]
+    async fn pay(&self, cents: u64) -> Result<String, Error> {
+        self.ran.bump();
+        Ok(format!("{} paid {cents}", self.account))
+    }
+
+    /// The same without `scope`: the receiver is not part of the key.
+    #[idempotent]
+    async fn pay_unscoped(&self, cents: u64) -> Result<String, Error> {
+        self.ran.bump();
+        Ok(format!("{} paid {cents}", self.account))
+    }
+}
+
+#[tokio::test]
+async fn scope_keeps_two_receivers_apart_and_without_it_they_share_a_key() {
+    let run = run("receivers");
+    let ran = Ran::default();
+    let alice = Payments {
+        account: "alice".into(),
+        ran: ran.clone(),
+    };
+    let bob = Payments {
+        account: "bob".into(),
+        ran: ran.clone(),
+    };
+    assert_eq!(run.scope(alice.pay(500)).await.unwrap(), "alice paid 500");
+    assert_eq!(run.scope(bob.pay(500)).await.unwrap(), "bob paid 500");
+    assert_eq!(run.scope(alice.pay(500)).await.unwrap(), "alice paid 500");
+    assert_eq!(ran.get(), 2, "Bob paid, and Alice's retry replayed");
+
+    // The documented trap `scope` exists for.
+    assert_eq!(
+        run.scope(alice.pay_unscoped(500)).await.unwrap(),
+        "alice paid 500"
+    );
+    assert_eq!(
+        run.scope(bob.pay_unscoped(500)).await.unwrap(),
+        "alice paid 500"
+    );
+    assert_eq!(ran.get(), 3);
+}
+
+static SET_RAN: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent]
+async fn tag_all(tags: HashSet<String>) -> Result<usize, Error> {
+    SET_RAN.fetch_add(1, Ordering::SeqCst);
+    Ok(tags.len())
+}
+
+/// An input with a set inside, keyed as a set by one serde attribute.
+#[derive(Serialize)]
+struct Invite {
+    event: String,
+    #[serde(serialize_with = "idem::key::sorted")]
+    guests: HashSet<String>,
+}
+
+static INVITES: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent]
+async fn invite(invite: Invite) -> Result<usize, Error> {
+    INVITES.fetch_add(1, Ordering::SeqCst);
+    Ok(invite.guests.len())
+}
+
+/// The same 40 elements in two sets whose hashers are seeded differently (as in two
+/// processes): they iterate in different orders.
+fn same_set_twice() -> (HashSet<String>, HashSet<String>) {
+    let elements: Vec<String> = (0..40).map(|i| format!("tag-{i}")).collect();
+    let a: HashSet<String> = elements.iter().cloned().collect();
+    let b: HashSet<String> = elements.iter().rev().cloned().collect();
+    assert_eq!(a, b);
+    assert_ne!(
+        a.iter().collect::<Vec<_>>(),
+        b.iter().collect::<Vec<_>>(),
+        "the two sets must iterate differently for this test to mean anything"
+    );
+    (a, b)
+}
+
+#[tokio::test]
+async fn a_hash_set_gets_one_key_whatever_its_iteration_order() {
+    let run = run("sets");
+    let (a, b) = same_set_twice();
+    assert_eq!(run.scope(tag_all(a)).await.unwrap(), 40);
+    assert_eq!(run.scope(tag_all(b)).await.unwrap(), 40);
+    assert_eq!(
+        SET_RAN.load(Ordering::SeqCst),
+        1,
+        "the argument is keyed as a set"
+    );
+
+    let (a, b) = same_set_twice();
+    let event = || "launch".to_string();
+    run.scope(invite(Invite {
+        event: event(),
+        guests: a,
+    }))
+    .await
+    .unwrap();
+    run.scope(invite(Invite {
+        event: event(),
+        guests: b,
+    }))
+    .await
+    .unwrap();
+    assert_eq!(
+        INVITES.load(Ordering::SeqCst),
+        1,
+        "the field is keyed as a set"
+    );
+}
+
+static WIDE_RAN: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent]
+async fn ledger(big: u128, small: i128) -> Result<String, Error> {
+    WIDE_RAN.fetch_add(1, Ordering::SeqCst);
+    Ok(format!("{big}/{small}"))
+}
+
+#[tokio::test]
+async fn integers_wider_than_64_bits_are_inputs() {
+    let run = run("wide");
+    let cases = [
+        (u128::MAX, i128::MIN),
+        (u128::from(u64::MAX) + 1, i128::from(i64::MIN) - 1),
+        (5, -5),
+    ];
+    for (big, small) in cases {
+        let first = run.scope(ledger(big, small)).await.unwrap();
+        assert_eq!(first, format!("{big}/{small}"));
+        assert_eq!(run.scope(ledger(big, small)).await.unwrap(), first);
+    }
+    assert_eq!(WIDE_RAN.load(Ordering::SeqCst), 3, "each ran once");
+}
+
+mod workflow {
+    /// The user's own type named `Run`: an input like any other.
+    #[derive(serde::Serialize, Clone)]
+    pub struct Run {
+        pub step: u32,
+    }
+}
+
+static STEPS: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent]
+async fn advance(run: workflow::Run) -> Result<u32, Error> {
+    STEPS.fetch_add(1, Ordering::SeqCst);
+    Ok(run.step + 1)
+}
+
+#[tokio::test]
+async fn an_argument_of_the_users_own_run_type_is_an_input() {
+    let idem_run = run("workflow");
+    let one = idem_run
+        .scope(advance(workflow::Run { step: 1 }))
+        .await
+        .unwrap();
+    let two = idem_run
+        .scope(advance(workflow::Run { step: 2 }))
+        .await
+        .unwrap();
+    assert_eq!((one, two), (2, 3));
+    assert_eq!(STEPS.load(Ordering::SeqCst), 2, "two inputs, two runs");
+}
+
+#[idempotent(ttl = "36500d", skip = [ran])]
+async fn keep_for_a_century(n: u32, ran: &Ran) -> Result<u32, Error> {
+    ran.bump();
+    Ok(n)
+}
+
+#[tokio::test]
+async fn the_largest_ttl_works_on_every_store() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, store) in stores(dir.path()).await {
+        let run = Run::new(unique("century")).with_shared_store(store.clone());
+        let ran = Ran::default();
+        let first = run.scope(keep_for_a_century(1, &ran)).await;
+        assert_eq!(first.unwrap(), 1, "{name}");
+        assert_eq!(run.scope(keep_for_a_century(1, &ran)).await.unwrap(), 1);
+        assert_eq!(ran.get(), 1, "{name}: replayed");
+
+        // Longer in code than the attribute takes: cut to the same 100 years.
+        let call = idem::Call::new(
+            Some(&run),
+            "forever",
+            idem::Options::new().ttl(Duration::MAX),
+            &1,
+        );
+        let got = idem::protocol::execute::<Result<u32, Error>, idem::protocol::ReleaseErrors, _>(
+            call,
+            async { Ok(9) },
+        )
+        .await;
+        assert_eq!(got.unwrap().unwrap(), 9, "{name}");
+    }
+}
+
+// ----- Records -----------------------------------------------------------------------
+
+/// Fields that serialize into JSON their own type cannot read back.
+#[derive(Serialize, Deserialize, Debug)]
+struct Report {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    lines: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Wide {
+    #[serde(flatten)]
+    inner: WideInner,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct WideInner {
+    total: u128,
+}
+
+#[idempotent(lease = "300ms", skip = [ran])]
+async fn average(case: u8, ran: &Ran) -> Result<f64, Error> {
+    ran.bump();
+    Ok(match case {
+        0 => f64::NAN,
+        _ => f64::INFINITY,
+    })
+}
+
+#[idempotent(lease = "300ms", skip = [ran])]
+async fn samples(ran: &Ran) -> Result<Vec<f64>, Error> {
+    ran.bump();
+    Ok(vec![1.5, f64::INFINITY])
+}
+
+#[idempotent(lease = "300ms", skip = [ran])]
+async fn report(ran: &Ran) -> Result<Report, Error> {
+    ran.bump();
+    Ok(Report { lines: Vec::new() })
+}
+
+#[idempotent(lease = "300ms", skip = [ran])]
+async fn wide(ran: &Ran) -> Result<Wide, Error> {
+    ran.bump();
+    Ok(Wide {
+        inner: WideInner {
+            total: u128::from(u64::MAX) + 1,
+        },
+    })
+}
+
+#[idempotent(lease = "300ms", at_most_once, skip = [ran])]
+async fn average_at_most_once(ran: &Ran) -> Result<f64, Error> {
+    ran.bump();
+    Ok(f64::NAN)
+}
+
+/// The first call is told, naming the tool and why; nothing was stored.
+fn assert_unreplayable(err: &Error, tool: &str) {
+    match err {
+        Error::Unreplayable { tool: t, .. } => assert!(t.ends_with(tool), "{t}"),
+        other => panic!("expected Unreplayable for {tool}, got {other}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains(tool) && text.contains("read") && text.contains("body has run"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_result_that_cannot_be_read_back_is_refused_at_the_first_call_and_never_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, store) in stores(dir.path()).await {
+        let run = Run::new(unique("unreadable")).with_shared_store(store.clone());
+        let ran = Ran::default();
+        for case in [0, 1] {
+            let err = run.scope(average(case, &ran)).await.unwrap_err();
+            assert_unreplayable(&err, "average");
+            // At-least-once: nothing stored, the key released: the retry runs again
+            // (and is told again), never `StoredResult`.
+            let key = Key::from_text(err.key().unwrap());
+            assert!(store.get(&key).await.unwrap().is_none(), "{name}");
+            let again = run.scope(average(case, &ran)).await.unwrap_err();
+            assert_unreplayable(&again, "average");
+        }
+        assert_eq!(ran.get(), 4, "{name}");
+        assert_unreplayable(&run.scope(samples(&ran)).await.unwrap_err(), "samples");
+        assert_unreplayable(&run.scope(report(&ran)).await.unwrap_err(), "report");
+        assert_unreplayable(&run.scope(wide(&ran)).await.unwrap_err(), "wide");
+
+        // At-most-once: the outcome is recorded as unknown, and the retry says so at
+        // once; the body ran once.
+        let ran = Ran::default();
+        let err = run.scope(average_at_most_once(&ran)).await.unwrap_err();
+        assert_unreplayable(&err, "average_at_most_once");
+        let retry = run.scope(average_at_most_once(&ran)).await.unwrap_err();
+        assert!(
+            matches!(retry, Error::OutcomeUnknown { .. }),
+            "{name}: {retry}"
+        );
+        assert_eq!(ran.get(), 1, "{name}");
+    }
+}
+
+// ----- A store that fails after the body ran -------------------------------------
+
+/// A real store whose `complete` fails the first `failures` times, as a store does that
+/// goes away (or fills its disk) between the claim and the completion.
+struct FailingComplete {
+    inner: Arc<dyn Store>,
+    failures: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Store for FailingComplete {
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        self.inner.claim(key, request).await
+    }
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let left = self.failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.failures.store(left - 1, Ordering::SeqCst);
+            return Err(Error::store("failing", "no space left on device"));
+        }
+        self.inner.complete(key, token, outcome, ttl).await
+    }
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        self.inner.release(key, token).await
+    }
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        self.inner.renew(key, token, lease, ttl).await
+    }
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        self.inner.purge_expired().await
+    }
+}
+
+#[idempotent(lease = "300ms", skip = [ran])]
+async fn send_receipt(to: String, ran: &Ran) -> Result<String, Error> {
+    Ok(format!("receipt-{}", ran.bump()))
+}
+
+#[idempotent(lease = "300ms", at_most_once, skip = [ran])]
+async fn charge(cents: u64, ran: &Ran) -> Result<String, Error> {
+    Ok(format!("charge-{}", ran.bump()))
+}
+
+#[tokio::test]
+async fn a_store_failing_after_the_body_ran_gives_the_bodys_value_and_records_it_later() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, inner) in stores(dir.path()).await {
+        // Fails once, then takes the outcome: the background records it, and a retry
+        // replays it.
+        let store = Arc::new(FailingComplete {
+            inner: inner.clone(),
+            failures: AtomicUsize::new(1),
+        });
+        let run = Run::new(unique("late")).with_shared_store(store.clone());
+        let ran = Ran::default();
+        let first = run.scope(send_receipt("ada".into(), &ran)).await;
+        assert_eq!(first.unwrap(), "receipt-1", "{name}: the body's own value");
+        // The retry finds the claim still held, waits, and is answered by the late
+        // record.
+        let started = Instant::now();
+        let retry = run.scope(send_receipt("ada".into(), &ran)).await;
+        assert_eq!(retry.unwrap(), "receipt-1", "{name}: replayed");
+        assert!(started.elapsed() < Duration::from_secs(10), "{name}");
+        assert_eq!(ran.get(), 1, "{name}: the body ran once");
+    }
+}
+
+#[tokio::test]
+async fn a_store_that_never_takes_the_outcome_leaves_the_retry_to_the_delivery_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, inner) in stores(dir.path()).await {
+        let store = Arc::new(FailingComplete {
+            inner,
+            failures: AtomicUsize::new(usize::MAX),
+        });
+        let run = Run::new(unique("never")).with_shared_store(store.clone());
+
+        // At-least-once: the caller has its value; a retry after the lease runs again.
+        let ran = Ran::default();
+        let first = run.scope(send_receipt("ada".into(), &ran)).await;
+        assert_eq!(first.unwrap(), "receipt-1", "{name}");
+        let retry = run.scope(send_receipt("ada".into(), &ran)).await;
+        assert_eq!(retry.unwrap(), "receipt-2", "{name}");
+
+        // At-most-once: the caller has its value; a retry gets `OutcomeUnknown`, never
+        // a second charge.
+        let ran = Ran::default();
+        let first = run.scope(charge(500, &ran)).await;
+        assert_eq!(first.unwrap(), "charge-1", "{name}");
+        let retry = run.scope(charge(500, &ran)).await.unwrap_err();
+        assert!(
+            matches!(retry, Error::OutcomeUnknown { .. }),
+            "{name}: {retry}"
+        );
+        assert_eq!(ran.get(), 1, "{name}");
+    }
+}
