@@ -773,6 +773,57 @@ mod tests {
     }
 
     #[test]
+    fn every_integer_is_written_as_serde_json_writes_it() {
+        let check = |v: &dyn erased::Int| {
+            let mut out = Vec::new();
+            v.write(&mut out).unwrap();
+            assert_eq!(out, v.json(), "{}", String::from_utf8_lossy(&out));
+        };
+        for v in [
+            0,
+            5,
+            u128::from(u64::MAX),
+            u128::from(u64::MAX) + 1,
+            u128::MAX,
+        ] {
+            check(&v);
+        }
+        for v in [
+            i128::MIN,
+            i128::from(i64::MIN) - 1,
+            i128::from(i64::MIN),
+            -5,
+            i128::from(u64::MAX),
+            i128::MAX,
+        ] {
+            check(&v);
+        }
+        // Values that fit 64 bits write alike whatever their width: keys are unchanged.
+        let narrow = |v: &dyn erased::Int| {
+            let mut out = Vec::new();
+            v.write(&mut out).unwrap();
+            out
+        };
+        assert_eq!(narrow(&5u128), narrow(&5u64));
+        assert_eq!(narrow(&-5i128), narrow(&-5i64));
+    }
+
+    mod erased {
+        pub trait Int {
+            fn write(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error>;
+            fn json(&self) -> Vec<u8>;
+        }
+        impl<T: serde::Serialize> Int for T {
+            fn write(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+                super::write(out, self)
+            }
+            fn json(&self) -> Vec<u8> {
+                serde_json::to_vec(self).unwrap()
+            }
+        }
+    }
+
+    #[test]
     fn nesting_is_bounded_and_the_bound_is_per_input() {
         fn nested(depth: u32) -> serde_json::Value {
             (0..depth).fold(serde_json::json!(1), |v, _| serde_json::json!([v]))

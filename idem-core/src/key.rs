@@ -28,7 +28,7 @@
 //! A [`Key`] is the fingerprint of the arguments that form the key (all of them by
 //! default), as text: `<tool label>.<64 hex digits>`, printable ASCII, at most 129
 //! characters, usable as an `Idempotency-Key` header downstream. The label (the tool
-//! name with characters outside `[A-Za-z0-9_-]` replaced by `_`, cut at 64) is only
+//! name with characters outside `[A-Za-z0-9_-]` replaced by `_`, keeping its last 64 characters) is only
 //! there to make keys readable in a store; the digest alone carries identity. A record
 //! stores the fingerprint of the whole input, so when the key covers the whole input
 //! the key's digest and the record's fingerprint are one hash, computed once.

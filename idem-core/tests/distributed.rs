@@ -856,3 +856,214 @@ fn a_sync_tool_on_a_network_store_runs_once_inside_spawn_blocking_on_either_runt
         });
     }
 }
+
+// ----- Errors keep their cause ---------------------------------------------------------
+
+/// `error` and every source under it, as text.
+fn causes(error: &Error) -> Vec<String> {
+    let mut out = vec![error.to_string()];
+    let mut next = std::error::Error::source(error);
+    while let Some(cause) = next {
+        out.push(cause.to_string());
+        next = cause.source();
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_store_error_says_why_the_server_or_the_os_refused() {
+    let (Some(pg), Some(_)) = (postgres_url(), redis_url()) else {
+        return;
+    };
+    let timeout = Duration::from_secs(2);
+    // A database that does not exist: the server's message and its SQLSTATE.
+    let (base, _) = pg.rsplit_once('/').unwrap();
+    let err = PostgresStore::builder(&format!("{base}/idem_no_such_database"))
+        .timeout(timeout)
+        .connect()
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("idem_no_such_database") && text.contains("does not exist"),
+        "{text}"
+    );
+    assert!(text.contains("SQLSTATE 3D000"), "{text}");
+    assert!(
+        causes(&err).len() >= 3,
+        "the chain is kept: {:?}",
+        causes(&err)
+    );
+
+    // A closed port: the OS error, on both network stores.
+    let port = closed_port();
+    let err = PostgresStore::builder(&format!("postgres://idem@127.0.0.1:{port}/test"))
+        .timeout(timeout)
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("refused"), "{err}");
+    let err = match RedisStore::builder(&format!("redis://127.0.0.1:{port}"))
+        .timeout(timeout)
+        .connect()
+        .await
+    {
+        Ok(_) => panic!("connected to a closed port"),
+        Err(err) => err,
+    };
+    assert!(err.to_string().to_lowercase().contains("refused"), "{err}");
+    assert!(causes(&err).len() >= 2, "{:?}", causes(&err));
+}
+
+// ----- A store that fails after the body ran -----------------------------------------
+
+/// Counts the body's runs; returns `value`.
+async fn counted(
+    run: &Run,
+    ran: &Arc<AtomicUsize>,
+    value: u32,
+    during: impl FnOnce(),
+) -> Result<Result<u32, Error>, Error> {
+    let ran = ran.clone();
+    execute::<Result<u32, Error>, ReleaseErrors, _>(
+        Call::new(
+            Some(run),
+            "send_email",
+            Options::new().lease(Duration::from_secs(5)),
+            &1,
+        ),
+        async move {
+            ran.fetch_add(1, SeqCst);
+            during();
+            Ok(value)
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_after_the_body_ran_the_caller_gets_its_value_and_the_retry_replays_it() {
+    if Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED: no redis-server binary to start and stop; this test checked nothing");
+        return;
+    }
+    let port = closed_port();
+    let mut server = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis-server did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = server.id().to_string();
+    let signal = |sig: &str| {
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    };
+    let store = RedisStore::builder(&format!("redis://127.0.0.1:{port}"))
+        .timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap();
+    let run = Run::new("stopped").with_store(store);
+    let ran = Arc::new(AtomicUsize::new(0));
+
+    // The server stops as the body returns: the completion gets no answer.
+    let first = counted(&run, &ran, 7, || signal("-STOP")).await;
+    signal("-CONT");
+    assert_eq!(
+        first.unwrap().unwrap(),
+        7,
+        "the caller gets the body's value, not Error::Store"
+    );
+    let retry = counted(&run, &ran, 8, || ()).await;
+    assert_eq!(
+        retry.unwrap().unwrap(),
+        7,
+        "the retry replays the first value"
+    );
+    assert_eq!(ran.load(SeqCst), 1, "the body ran once");
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_row_lock_held_past_the_timeout_gives_the_caller_its_value_and_the_retry_replays_it(
+) {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_locked");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .unwrap();
+    let run = Run::new("locked").with_store(store);
+    let ran = Arc::new(AtomicUsize::new(0));
+
+    // Another session locks the claimed row while the body runs, and holds the lock
+    // past the store's timeout: the completion's UPDATE waits behind it.
+    let (locker, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let locker = Arc::new(locker);
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let lock_sql = format!("BEGIN; SELECT 1 FROM {table} FOR UPDATE;");
+    let holder = {
+        let locker = locker.clone();
+        move || {
+            let locker = locker.clone();
+            tokio::spawn(async move {
+                locker.batch_execute(&lock_sql).await.unwrap();
+                locked_tx.send(()).unwrap();
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                locker.batch_execute("COMMIT").await.unwrap();
+            });
+            locked_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        }
+    };
+    let started = Instant::now();
+    let first = counted(&run, &ran, 7, holder).await;
+    assert_eq!(
+        first.unwrap().unwrap(),
+        7,
+        "the caller gets the body's value, not Error::Store"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(1400),
+        "answered at the timeout, not after the lock"
+    );
+    // A retry while the lock still holds cannot claim either: `Error::Store`, and it
+    // did not run. Once the lock is gone, the late UPDATE has landed: a replay.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let replayed = loop {
+        match counted(&run, &ran, 8, || ()).await {
+            Ok(value) => break value.unwrap(),
+            Err(Error::Store { .. }) => assert!(Instant::now() < deadline, "never replayed"),
+            Err(other) => panic!("{other}"),
+        }
+    };
+    assert_eq!(replayed, 7, "the retry replays the first value");
+    assert_eq!(ran.load(SeqCst), 1, "the body ran once");
+    drop_table(&url, &table).await;
+}
