@@ -270,8 +270,15 @@ impl Key {
         let mut text = [0u8; LABEL_MAX + 1 + 64];
         let mut len = 0;
         // A long name keeps its end, where a path names the function.
-        let skip = tool.chars().count().saturating_sub(LABEL_MAX);
-        for c in tool.chars().skip(skip) {
+        let label = match tool.len() > LABEL_MAX {
+            // Only a name over 64 bytes can be over 64 characters.
+            true => {
+                let skip = tool.chars().count().saturating_sub(LABEL_MAX);
+                &tool[tool.char_indices().nth(skip).map_or(0, |(i, _)| i)..]
+            }
+            false => tool,
+        };
+        for c in label.chars().take(LABEL_MAX) {
             text[len] = match c {
                 'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c as u8,
                 _ => b'_',
