@@ -316,6 +316,37 @@ async fn a_hash_set_gets_one_key_whatever_its_iteration_order() {
     );
 }
 
+/// Hashable, but with no order of its own.
+#[derive(Serialize, Hash, PartialEq, Eq)]
+struct Guest {
+    name: String,
+    plus_one: bool,
+}
+
+static GUESTS_RAN: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent]
+async fn seat(guests: HashSet<Guest>) -> Result<usize, Error> {
+    GUESTS_RAN.fetch_add(1, Ordering::SeqCst);
+    Ok(guests.len())
+}
+
+#[tokio::test]
+async fn a_set_of_elements_without_an_order_is_keyed_as_a_set_too() {
+    let run = run("guests");
+    let guest = |i: usize| Guest {
+        name: format!("guest-{i}"),
+        plus_one: i % 2 == 0,
+    };
+    let a: HashSet<Guest> = (0..40).map(guest).collect();
+    let b: HashSet<Guest> = (0..40).rev().map(guest).collect();
+    let order = |s: &HashSet<Guest>| s.iter().map(|g| g.name.clone()).collect::<Vec<_>>();
+    assert_ne!(order(&a), order(&b), "the sets must iterate differently");
+    assert_eq!(run.scope(seat(a)).await.unwrap(), 40);
+    assert_eq!(run.scope(seat(b)).await.unwrap(), 40);
+    assert_eq!(GUESTS_RAN.load(Ordering::SeqCst), 1);
+}
+
 static WIDE_RAN: AtomicUsize = AtomicUsize::new(0);
 
 #[idempotent]
@@ -623,4 +654,27 @@ async fn a_store_that_never_takes_the_outcome_leaves_the_retry_to_the_delivery_p
         );
         assert_eq!(ran.get(), 1, "{name}");
     }
+}
+
+#[idempotent(lease = "300ms", skip = [ran])]
+fn send_receipt_sync(to: String, ran: &Ran) -> Result<String, Error> {
+    Ok(format!("receipt-{}", ran.bump()))
+}
+
+#[test]
+fn a_sync_tool_whose_store_fails_after_the_body_gets_its_value_and_the_retry_replays_it() {
+    // No runtime at all: the late record runs on a thread of its own.
+    let store = Arc::new(FailingComplete {
+        inner: Arc::new(MemoryStore::new()),
+        failures: AtomicUsize::new(1),
+    });
+    let run = Run::new("sync-late").with_shared_store(store);
+    let ran = Ran::default();
+    let first = run.sync_scope(|| send_receipt_sync("ada".into(), &ran));
+    assert_eq!(first.unwrap(), "receipt-1", "the body's own value");
+    let started = Instant::now();
+    let retry = run.sync_scope(|| send_receipt_sync("ada".into(), &ran));
+    assert_eq!(retry.unwrap(), "receipt-1", "replayed");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(ran.get(), 1, "the body ran once");
 }

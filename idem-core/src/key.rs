@@ -163,8 +163,9 @@ pub fn default_tool_name(closure_type_name: &'static str) -> &'static str {
     name
 }
 
-/// Keys a set-like collection as a set: its elements in sorted order, so the same set
-/// serializes alike in every process.
+/// Keys a set-like collection as a set: its elements in the order of their canonical
+/// JSON (see the module docs), so the same set serializes alike in every process. The
+/// elements need only `Serialize`, not `Ord`.
 ///
 /// A `HashSet` serializes in hash order, which differs from process to process (its
 /// hasher is seeded at random): the same set would get a new key each time. The
@@ -176,26 +177,31 @@ pub struct Sorted<'a, C: ?Sized>(pub &'a C);
 impl<'a, C: ?Sized> Serialize for Sorted<'a, C>
 where
     &'a C: IntoIterator,
-    <&'a C as IntoIterator>::Item: Ord + Serialize,
+    <&'a C as IntoIterator>::Item: Serialize,
 {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         sorted(self.0, serializer)
     }
 }
 
-/// Serializes a set-like collection with its elements sorted: for
-/// `#[serde(serialize_with = "idem::key::sorted")]` on a `HashSet` field of an input
-/// (see [`Sorted`]).
+/// Serializes a set-like collection with its elements in the order of their canonical
+/// JSON: for `#[serde(serialize_with = "idem::key::sorted")]` on a `HashSet` field of
+/// an input (see [`Sorted`]).
 pub fn sorted<'a, C, S>(set: &'a C, serializer: S) -> Result<S::Ok, S::Error>
 where
     C: ?Sized,
     &'a C: IntoIterator,
-    <&'a C as IntoIterator>::Item: Ord + Serialize,
+    <&'a C as IntoIterator>::Item: Serialize,
     S: serde::Serializer,
 {
-    let mut elements: Vec<_> = set.into_iter().collect();
-    elements.sort();
-    serializer.collect_seq(elements)
+    let mut elements = Vec::new();
+    for element in set {
+        let mut canonical = Vec::new();
+        canonical::write(&mut canonical, &element).map_err(serde::ser::Error::custom)?;
+        elements.push((canonical, element));
+    }
+    elements.sort_by(|a, b| a.0.cmp(&b.0));
+    serializer.collect_seq(elements.iter().map(|(_, element)| element))
 }
 
 /// Who calls which tool: the parts of a key besides its input.
