@@ -1,4 +1,5 @@
-//! Handing blocking work to tokio's blocking pool without its one panic.
+//! Blocking work: which thread is blocked in a sync tool, and handing blocking work to
+//! tokio's blocking pool without its one panic.
 //!
 //! `tokio::task::spawn_blocking` panics ("OS can't spawn worker thread") when the pool
 //! has no thread and the OS refuses to start one: a process at its thread limit, or a
@@ -83,4 +84,32 @@ where
         Ok(handed) => handed.join().await,
         Err(work) => Some(work()),
     }
+}
+
+thread_local! {
+    /// Whether this thread is inside a sync tool's call.
+    static IN_SYNC_TOOL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the thread as blocked in a sync tool's call while it lives.
+pub(crate) struct InSyncTool(bool);
+
+impl InSyncTool {
+    pub(crate) fn enter() -> Self {
+        InSyncTool(IN_SYNC_TOOL.with(|b| b.replace(true)))
+    }
+}
+
+impl Drop for InSyncTool {
+    fn drop(&mut self) {
+        let previous = self.0;
+        IN_SYNC_TOOL.with(|b| b.set(previous));
+    }
+}
+
+/// Whether this thread is inside a sync tool's call: blocked, so whatever it would
+/// drive (a current-thread runtime's timers and sockets) waits.
+#[cfg(any(feature = "postgres", feature = "redis"))]
+pub(crate) fn in_sync_tool() -> bool {
+    IN_SYNC_TOOL.with(|b| b.get())
 }

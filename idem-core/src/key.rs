@@ -43,7 +43,6 @@ use std::sync::Arc;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::protocol::KeyInput;
 use crate::{canonical, Error};
 
 /// The SHA-256 digest of a call: its key parts and the canonical form of an input.
@@ -202,6 +201,27 @@ where
     }
     elements.sort_by(|a, b| a.0.cmp(&b.0));
     serializer.collect_seq(elements.iter().map(|(_, element)| element))
+}
+
+/// An argument that can be part of an idempotency key: any `Serialize` type.
+///
+/// The attribute passes each argument as `&dyn KeyInput`, so an argument that does not
+/// serialize is one compile error, at that argument; and each argument is then written
+/// by fully typed code, with one dynamic call per argument.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be part of an idempotency key: it does not implement `serde::Serialize`",
+    label = "this argument is hashed into the key",
+    note = "derive `Serialize` for it, or, if it is context (a client, a connection) rather than input, list it in `skip = [...]`"
+)]
+pub trait KeyInput {
+    /// Appends the canonical JSON of `self` to `out` (see [`crate::key`]).
+    fn write_canonical(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error>;
+}
+
+impl<T: Serialize + ?Sized> KeyInput for T {
+    fn write_canonical(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+        crate::canonical::write(out, self)
+    }
 }
 
 /// Who calls which tool: the parts of a key besides its input.

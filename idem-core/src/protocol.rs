@@ -58,6 +58,7 @@ use tracing::Instrument;
 use crate::background;
 use crate::error::Human;
 use crate::heartbeat::{self, Beat, Lease, Ran};
+pub use crate::key::KeyInput;
 use crate::options::{Delivery, Options};
 use crate::record::{Timestamp, Token};
 use crate::run::CURRENT_KEY;
@@ -480,7 +481,7 @@ where
     F: FnOnce() -> R,
 {
     let call = call?;
-    let _blocking = BlockingGuard::enter();
+    let _blocking = crate::blocking::InSyncTool::enter();
     pollster::block_on(async {
         let owner = match acquire::<R, C, BlockingPause>(&call).await? {
             Acquired::Replay(output) => return Ok(output),
@@ -497,47 +498,6 @@ where
             Err(panic) => guard.panicked(panic).await,
         }
     })
-}
-
-thread_local! {
-    static BLOCKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Marks the thread as inside [`execute_blocking`] while it lives.
-struct BlockingGuard(bool);
-
-impl BlockingGuard {
-    fn enter() -> Self {
-        BlockingGuard(BLOCKING.with(|b| b.replace(true)))
-    }
-}
-
-impl Drop for BlockingGuard {
-    fn drop(&mut self) {
-        let previous = self.0;
-        BLOCKING.with(|b| b.set(previous));
-    }
-}
-
-/// Whether this thread is inside a sync tool's call ([`execute_blocking`]): blocked, so
-/// whatever it would drive (a current-thread runtime's timers and sockets) waits.
-#[cfg(any(feature = "postgres", feature = "redis"))]
-pub(crate) fn in_blocking_tool() -> bool {
-    BLOCKING.with(|b| b.get())
-}
-
-#[cfg(any(feature = "postgres", feature = "redis"))]
-/// For stores that run on tokio: an error if there is no tokio runtime here, since
-/// waiting for one would never end.
-pub(crate) fn check_tokio_reachable(store: &'static str) -> Result<(), Error> {
-    match tokio::runtime::Handle::try_current() {
-        Ok(_) => Ok(()),
-        Err(_) => Err(Error::store(
-            store,
-            "this store runs on tokio, and there is no tokio runtime here: call the tool inside \
-             one (a sync tool: inside tokio::task::spawn_blocking)",
-        )),
-    }
 }
 
 /// The claim this call acquired.
@@ -1260,25 +1220,4 @@ where
     R::Err: From<Error>,
 {
     R::from_result(Err(R::Err::from(error)))
-}
-
-/// An argument that can be part of an idempotency key: any `Serialize` type.
-///
-/// The attribute passes each argument as `&dyn KeyInput`, so an argument that does not
-/// serialize is one compile error, at that argument; and each argument is then written
-/// by fully typed code, with one dynamic call per argument.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot be part of an idempotency key: it does not implement `serde::Serialize`",
-    label = "this argument is hashed into the key",
-    note = "derive `Serialize` for it, or, if it is context (a client, a connection) rather than input, list it in `skip = [...]`"
-)]
-pub trait KeyInput {
-    /// Appends the canonical JSON of `self` to `out` (see [`crate::key`]).
-    fn write_canonical(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error>;
-}
-
-impl<T: Serialize + ?Sized> KeyInput for T {
-    fn write_canonical(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
-        crate::canonical::write(out, self)
-    }
 }

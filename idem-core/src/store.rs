@@ -373,70 +373,10 @@ pub fn decide_fenced(
     })
 }
 
-/// A claim decided by a server's clock, as the caller needs it: a `Busy` lease end (and
-/// an `Abandoned` record's expiry) is moved from the server's clock (`server_now`) to
-/// this process's clock, the one a waiting call sleeps by, so clock skew does not
-/// stretch or shorten the wait.
-#[cfg(any(feature = "postgres", feature = "redis"))]
-pub(crate) fn in_local_clock(claim: Claim, server_now: Timestamp) -> Claim {
-    let local = |t: Timestamp| Timestamp::now().after(t.remaining(server_now));
-    match claim {
-        Claim::Busy { lease_until } => Claim::Busy {
-            lease_until: local(lease_until),
-        },
-        Claim::Abandoned { expires_at } => Claim::Abandoned {
-            expires_at: local(expires_at),
-        },
-        claim => claim,
-    }
-}
-
-/// Runs a network store's operation within its timeout, failing closed: an
-/// [`Error::Store`] when the server does not answer in time, or at once when there is
-/// no tokio runtime to drive it.
-///
-/// Inside a sync tool the thread is blocked, and tokio's timer may be one this very
-/// thread drives (a current-thread runtime's own thread): there the bound is kept by
-/// the heartbeat thread's timer, so the call ends in an error instead of hanging.
-#[cfg(any(feature = "postgres", feature = "redis"))]
-pub(crate) async fn bounded<T>(
-    store: &'static str,
-    timeout: Duration,
-    operation: impl std::future::Future<Output = Result<T, Error>>,
-) -> Result<T, Error> {
-    crate::protocol::check_tokio_reachable(store)?;
-    if !crate::protocol::in_blocking_tool() {
-        return match tokio::time::timeout(timeout, operation).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::store(store, format!("no answer within {timeout:?}"))),
-        };
-    }
-    let deadline = std::time::Instant::now() + timeout;
-    let mut operation = std::pin::pin!(operation);
-    let mut alarm = std::pin::pin!(crate::heartbeat::sleep_until(deadline));
-    std::future::poll_fn(|cx| {
-        use std::future::Future as _;
-        if let std::task::Poll::Ready(result) = operation.as_mut().poll(cx) {
-            return std::task::Poll::Ready(result);
-        }
-        alarm.as_mut().poll(cx).map(|()| {
-            Err(Error::store(
-                store,
-                format!(
-                    "no answer within {timeout:?}; a sync tool blocks its thread while it waits \
-                     for the store, and if that thread is the one driving tokio (a \
-                     current-thread runtime's, or every worker of a multi-threaded one) the \
-                     answer can never arrive: call the tool inside \
-                     tokio::task::spawn_blocking, or make it async"
-                ),
-            ))
-        })
-    })
-    .await
-}
-
 pub mod local_cache;
 pub mod memory;
+#[cfg(any(feature = "postgres", feature = "redis"))]
+mod net;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]

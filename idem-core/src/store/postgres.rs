@@ -101,9 +101,9 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
-use crate::error::Fault;
 use crate::record::{Record, State, Timestamp, Token};
-use crate::store::{decide_claim, in_local_clock, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::store::net::{self, fenced, in_local_clock};
+use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{Error, Fingerprint, Key};
 
 const STORE: &str = "postgres";
@@ -311,26 +311,16 @@ impl Sql {
 /// A Postgres failure with its whole cause: the server's message and SQLSTATE, or the
 /// connection's OS error; the original error stays its source.
 fn pg_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
-    let e = e.into();
-    let mut text = crate::error::chain(&*e);
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(&*e);
-    while let Some(level) = next {
-        if let Some(db) = level.downcast_ref::<tokio_postgres::error::DbError>() {
-            text.push_str(&format!(" (SQLSTATE {})", db.code().code()));
-            break;
+    net::failure(STORE, e, |error, text| {
+        let mut next = Some(error);
+        while let Some(level) = next {
+            if let Some(db) = level.downcast_ref::<tokio_postgres::error::DbError>() {
+                text.push_str(&format!(" (SQLSTATE {})", db.code().code()));
+                return;
+            }
+            next = level.source();
         }
-        next = level.source();
-    }
-    Error::store(STORE, Fault::new(text, e))
-}
-
-/// A fenced statement's outcome: it changed the one row, or found no row the caller owns.
-fn fenced(rows: u64) -> Fenced {
-    if rows == 1 {
-        Fenced::Applied
-    } else {
-        Fenced::LostLease
-    }
+    })
 }
 
 /// Milliseconds as Postgres' `int8`.
@@ -405,7 +395,7 @@ impl PostgresStore {
         &self,
         f: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        crate::store::bounded(STORE, self.inner.timeout, f).await
+        net::bounded(STORE, self.inner.timeout, f).await
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, Error> {

@@ -48,12 +48,12 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
-use crate::error::Fault;
 use crate::record::{
     millis, Record, State, Timestamp, Token, FINGERPRINT_AT, IN_PROGRESS_LEN, IN_PROGRESS_TAG,
     TOKEN_AT,
 };
-use crate::store::{decide_claim, in_local_clock, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::store::net::{self, in_local_clock};
+use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::{Error, Fingerprint, Key};
 
 const STORE: &str = "redis";
@@ -275,7 +275,7 @@ fn server_version(info: &str) -> Option<(u32, u32)> {
 /// A Redis failure with its whole cause (the server's reply, the connection's OS
 /// error); the original error stays its source.
 fn redis_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
-    Error::store(STORE, Fault::chained(e))
+    net::failure(STORE, e, |_, _| {})
 }
 
 impl RedisStore {
@@ -306,7 +306,7 @@ impl RedisStore {
         &self,
         f: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        crate::store::bounded(STORE, self.inner.timeout, f).await
+        net::bounded(STORE, self.inner.timeout, f).await
     }
 
     /// Runs a script on `key` with `args`.
@@ -504,13 +504,13 @@ impl Store for RedisStore {
         let applied: i64 = self
             .script(&COMPLETE, key, &[&token, &header, payload, ttl.as_bytes()])
             .await?;
-        Ok(fenced(applied))
+        Ok(net::fenced(applied as u64))
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
         let token = token.0.to_be_bytes();
         let applied: i64 = self.script(&RELEASE, key, &[&token]).await?;
-        Ok(fenced(applied))
+        Ok(net::fenced(applied as u64))
     }
 
     async fn renew(
@@ -537,7 +537,7 @@ impl Store for RedisStore {
         let applied: i64 = self
             .script(&COMPLETE, key, &[&token, &claim, b"", px.as_bytes()])
             .await?;
-        Ok(fenced(applied))
+        Ok(net::fenced(applied as u64))
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
@@ -563,14 +563,6 @@ impl Store for RedisStore {
     /// Redis expires records itself (`PX`): nothing to purge.
     async fn purge_expired(&self) -> Result<u64, Error> {
         Ok(0)
-    }
-}
-
-fn fenced(applied: i64) -> Fenced {
-    if applied == 1 {
-        Fenced::Applied
-    } else {
-        Fenced::LostLease
     }
 }
 

@@ -1,0 +1,106 @@
+//! What the network stores (Postgres, Redis) share: every operation bounded by the
+//! store's timeout, failures described with their whole cause, server times moved to
+//! this process's clock, and a fenced write's count turned into [`Fenced`].
+
+use std::time::Duration;
+
+use crate::error::Fault;
+use crate::record::Timestamp;
+use crate::store::{Claim, Fenced};
+use crate::Error;
+
+/// An error if there is no tokio runtime here: the network stores' connections live on
+/// one, and waiting for one would never end.
+fn runtime_here(store: &'static str) -> Result<(), Error> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => Ok(()),
+        Err(_) => Err(Error::store(
+            store,
+            "this store runs on tokio, and there is no tokio runtime here: call the tool inside \
+             one (a sync tool: inside tokio::task::spawn_blocking)",
+        )),
+    }
+}
+
+/// A network store's failure with its whole cause (see [`Fault`]): `describe` may add
+/// what the chain's own text leaves out (Postgres adds the SQLSTATE).
+pub(crate) fn failure(
+    store: &'static str,
+    error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    describe: impl FnOnce(&(dyn std::error::Error + 'static), &mut String),
+) -> Error {
+    let error = error.into();
+    let mut text = crate::error::chain(&*error);
+    describe(&*error, &mut text);
+    Error::store(store, Fault::new(text, error))
+}
+
+/// A fenced write's outcome from the number of records it changed: the one the caller
+/// owns, or none (the claim is not the caller's any more).
+pub(crate) fn fenced(changed: u64) -> Fenced {
+    if changed == 1 {
+        Fenced::Applied
+    } else {
+        Fenced::LostLease
+    }
+}
+
+/// A claim decided by a server's clock, as the caller needs it: a `Busy` lease end (and
+/// an `Abandoned` record's expiry) is moved from the server's clock (`server_now`) to
+/// this process's clock, the one a waiting call sleeps by, so clock skew does not
+/// stretch or shorten the wait.
+pub(crate) fn in_local_clock(claim: Claim, server_now: Timestamp) -> Claim {
+    let local = |t: Timestamp| Timestamp::now().after(t.remaining(server_now));
+    match claim {
+        Claim::Busy { lease_until } => Claim::Busy {
+            lease_until: local(lease_until),
+        },
+        Claim::Abandoned { expires_at } => Claim::Abandoned {
+            expires_at: local(expires_at),
+        },
+        claim => claim,
+    }
+}
+
+/// Runs a network store's operation within its timeout, failing closed: an
+/// [`Error::Store`] when the server does not answer in time, or at once when there is
+/// no tokio runtime to drive it.
+///
+/// Inside a sync tool the thread is blocked, and tokio's timer may be one this very
+/// thread drives (a current-thread runtime's own thread): there the bound is kept by
+/// the heartbeat thread's timer, so the call ends in an error instead of hanging.
+pub(crate) async fn bounded<T>(
+    store: &'static str,
+    timeout: Duration,
+    operation: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    runtime_here(store)?;
+    if !crate::blocking::in_sync_tool() {
+        return match tokio::time::timeout(timeout, operation).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::store(store, format!("no answer within {timeout:?}"))),
+        };
+    }
+    let deadline = std::time::Instant::now() + timeout;
+    let mut operation = std::pin::pin!(operation);
+    let mut alarm = std::pin::pin!(crate::heartbeat::sleep_until(deadline));
+    std::future::poll_fn(|cx| {
+        use std::future::Future as _;
+        if let std::task::Poll::Ready(result) = operation.as_mut().poll(cx) {
+            return std::task::Poll::Ready(result);
+        }
+        alarm.as_mut().poll(cx).map(|()| {
+            Err(Error::store(
+                store,
+                format!(
+                    "no answer within {timeout:?}; a sync tool blocks its thread while it waits \
+                     for the store, and if that thread is the one driving tokio (a \
+                     current-thread runtime's, or every worker of a multi-threaded one) the \
+                     answer can never arrive: call the tool inside \
+                     tokio::task::spawn_blocking, or make it async"
+                ),
+            ))
+        })
+    })
+    .await
+}
