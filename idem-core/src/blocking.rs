@@ -109,7 +109,6 @@ impl Drop for InSyncTool {
 
 /// Whether this thread is inside a sync tool's call: blocked, so whatever it would
 /// drive (a current-thread runtime's timers and sockets) waits.
-#[cfg(any(feature = "postgres", feature = "redis"))]
 pub(crate) fn in_sync_tool() -> bool {
     IN_SYNC_TOOL.with(|b| b.get())
 }

@@ -159,16 +159,17 @@ pub enum Error {
     },
 
     /// The operation's result (or error, when errors are cached) serializes to JSON that
-    /// does not deserialize back into its own type, so a retry could never read it: it
-    /// was not stored. The body has run. At-least-once tools release the key;
-    /// at-most-once tools record the outcome as unknown, so a retry gets
+    /// does not read back as the same value of its own type, so a retry could not
+    /// replay it: it was not stored. The body has run. At-least-once tools release the
+    /// key; at-most-once tools record the outcome as unknown, so a retry gets
     /// [`Error::OutcomeUnknown`] at once. Typical causes: a NaN or infinite float (JSON
     /// writes it as `null`), `skip_serializing_if` without a matching `default`,
-    /// `#[serde(flatten)]` over a field serde_json cannot read back (`u128`).
+    /// `#[serde(flatten)]` over a field serde_json cannot read back (`u128`), an
+    /// untagged enum whose variants overlap (`1` read back as `1.0`).
     #[error(
-        "the result of tool `{tool}` (key `{key}`) cannot be stored: its JSON does not \
-         deserialize back into its own type ({source}), so a retry could not read it; the \
-         body has run, and its claim was settled by the tool's delivery policy"
+        "the result of tool `{tool}` (key `{key}`) cannot be stored: a retry could not read \
+         it back as the same value ({source}); the body has run, and its claim was settled \
+         by the tool's delivery policy"
     )]
     Unreplayable {
         /// The tool that was called.

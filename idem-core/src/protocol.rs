@@ -180,6 +180,9 @@ pub trait ErrorPolicy<E> {
     fn encode(key: &Key, error: &E) -> Result<Vec<u8>, Error>;
     /// Deserializes a stored error.
     fn decode(key: &Key, bytes: &[u8]) -> Result<E, Error>;
+    /// Checks, before an error is stored, that its bytes read back as the same error
+    /// (see [`reads_back_the_same`]).
+    fn read_back(bytes: &[u8]) -> Result<(), serde_json::Error>;
 }
 
 /// The default error policy: an `Err` releases the claim, so a retry runs again.
@@ -199,6 +202,9 @@ impl<E> ErrorPolicy<E> for ReleaseErrors {
             key: key.to_string(),
             source: serde::de::Error::custom("errors are not cached by this tool"),
         })
+    }
+    fn read_back(_: &[u8]) -> Result<(), serde_json::Error> {
+        Ok(())
     }
 }
 
@@ -221,6 +227,64 @@ impl<E: Replayable> ErrorPolicy<E> for CacheErrors {
             key: key.to_string(),
             source,
         })
+    }
+    fn read_back(bytes: &[u8]) -> Result<(), serde_json::Error> {
+        reads_back_the_same::<E>(bytes)
+    }
+}
+
+/// Whether `bytes`, the JSON of a value of type `T`, read back as that value: they
+/// deserialize into a `T`, and that `T` serializes to the same JSON again, or to JSON
+/// that differs only in the order of sequence elements (a set's iteration order).
+///
+/// This catches a result a retry could not read at all (a NaN, which JSON writes as
+/// `null`; `skip_serializing_if` without `default`) and one it would read as another
+/// value (an untagged enum whose variants overlap: `1` read as `1.0`). It cannot see a
+/// value whose JSON is ambiguous in both directions, such as `Some(())` in an
+/// `Option<()>`: both `Some(())` and `None` are `null`.
+pub(crate) fn reads_back_the_same<T: Replayable>(bytes: &[u8]) -> Result<(), serde_json::Error> {
+    let back: T = serde_json::from_slice(bytes)?;
+    let again = serde_json::to_vec(&back)?;
+    if again == bytes {
+        return Ok(());
+    }
+    // Maps are compared as maps, and sequences as sorted, by `Value`'s equality.
+    let (stored, read): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_slice(bytes)?,
+        serde_json::from_slice(&again)?,
+    );
+    if sorted_sequences(stored) == sorted_sequences(read) {
+        return Ok(());
+    }
+    let shown = |b: &[u8]| {
+        let text = String::from_utf8_lossy(b);
+        match text.char_indices().nth(120) {
+            Some((i, _)) => format!("{}…", &text[..i]),
+            None => text.into_owned(),
+        }
+    };
+    Err(serde::de::Error::custom(format!(
+        "it reads back as another value: {} was read back as {}",
+        shown(bytes),
+        shown(&again)
+    )))
+}
+
+/// `value` with the elements of every sequence in one order (by their JSON text).
+fn sorted_sequences(value: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Array(items) => {
+            let mut items: Vec<Value> = items.into_iter().map(sorted_sequences).collect();
+            items.sort_by_cached_key(Value::to_string);
+            Value::Array(items)
+        }
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (k, sorted_sequences(v)))
+                .collect(),
+        ),
+        other => other,
     }
 }
 
@@ -1038,19 +1102,12 @@ where
     let result = output.into_result();
     let store = guard.0.store;
     let stored = match &result {
-        Ok(value) => storable(call, store, value, |bytes| {
-            serde_json::from_slice::<R::Ok>(bytes).map(drop)
-        })
-        .map(Some),
+        Ok(value) => storable(call, store, value, reads_back_the_same::<R::Ok>).map(Some),
         Err(error) if C::CACHES => C::encode(key, error)
-            .and_then(|bytes| {
-                within_limit(call, store, bytes).and_then(|bytes| {
-                    C::decode(key, &bytes).map(drop).map_err(|e| match e {
-                        Error::StoredResult { source, .. } => unreadable(call, source),
-                        other => other,
-                    })?;
-                    Ok(bytes)
-                })
+            .and_then(|bytes| within_limit(call, store, bytes))
+            .and_then(|bytes| match C::read_back(&bytes) {
+                Ok(()) => Ok(bytes),
+                Err(source) => Err(unreadable(call, source)),
             })
             .map(Some),
         Err(_) => Ok(None),
@@ -1105,8 +1162,7 @@ where
 }
 
 /// `value` serialized for the store, if a retry can read it back: it serializes, fits
-/// the store's limit, and `read_back` accepts its bytes (JSON turns a NaN into `null`,
-/// for instance, which no `f64` deserializes from).
+/// the store's limit, and `read_back` accepts its bytes (see [`reads_back_the_same`]).
 fn storable<T: Serialize>(
     call: &Call,
     store: &Arc<dyn Store>,
@@ -1197,19 +1253,7 @@ fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>,
         )
         .await;
     };
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => drop(runtime.spawn(late)),
-        // No runtime (a sync tool on an in-process store): a thread of its own, so the
-        // caller does not wait for it.
-        Err(_) => {
-            let spawned = std::thread::Builder::new()
-                .name("idem-record".into())
-                .spawn(move || background::detach(late, None));
-            if let Err(error) = spawned {
-                tracing::warn!(%error, "idem: cannot start a thread to record an outcome again; its claim runs out after its lease");
-            }
-        }
-    }
+    background::detach(late, tokio::runtime::Handle::try_current().ok().as_ref());
 }
 
 /// Converts an idem error into the tool's output (`Err(E::from(error))`); what the
