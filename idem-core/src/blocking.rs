@@ -12,7 +12,7 @@
 //! reports it; built with `panic = "abort"`, the process aborts there as before.)
 
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
@@ -25,7 +25,7 @@ pub(crate) struct HandedOff<F, R> {
 
 /// Takes the work out of its slot, whoever gets there first.
 fn take<F>(work: &Mutex<Option<F>>) -> Option<F> {
-    work.lock().unwrap_or_else(PoisonError::into_inner).take()
+    crate::sync::lock(&work).take()
 }
 
 /// Hands `work` to the blocking pool of the tokio runtime this runs in. Gives it back,

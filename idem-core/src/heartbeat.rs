@@ -25,7 +25,7 @@ use std::future::Future;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -150,7 +150,7 @@ impl Beat {
             return BeatState::Running;
         };
         {
-            let mut slot = entry.waker.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut slot = crate::sync::lock(&entry.waker);
             match &mut *slot {
                 Some(current) if current.will_wake(waker) => {}
                 other => *other = Some(waker.clone()),
@@ -196,11 +196,7 @@ impl Entry {
             )
             .is_ok()
         {
-            let waker = self
-                .waker
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
+            let waker = crate::sync::lock(&self.waker).take();
             if let Some(waker) = waker {
                 waker.wake();
             }
@@ -270,7 +266,7 @@ impl Alarm {
                 due: Mutex::new(None),
             })
         });
-        let mut due = slot.due.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut due = crate::sync::lock(&slot.due);
         match &mut *due {
             Some((when, current)) if *when == at => {
                 if !current.will_wake(waker) {
@@ -291,7 +287,7 @@ impl Drop for Alarm {
     fn drop(&mut self) {
         if let Some(slot) = &self.slot {
             // Its queue slot goes when it comes due.
-            *slot.due.lock().unwrap_or_else(PoisonError::into_inner) = None;
+            *crate::sync::lock(&slot.due) = None;
         }
     }
 }
@@ -299,7 +295,7 @@ impl Drop for Alarm {
 impl AlarmSlot {
     /// Wakes the task if the alarm is still set for `at`.
     fn ring(&self, at: Instant) {
-        let due = self.due.lock().unwrap_or_else(PoisonError::into_inner);
+        let due = crate::sync::lock(&self.due);
         if let Some((when, waker)) = &*due {
             if *when == at {
                 let waker = waker.clone();
@@ -408,7 +404,7 @@ fn timer() -> Option<&'static Timer> {
 
 impl Timer {
     fn lock(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.queue)
     }
 
     fn schedule(&self, at: Instant, job: Job) {
@@ -468,18 +464,11 @@ impl Timer {
             match due_at {
                 None => {
                     queue.wakes_at = None;
-                    queue = self
-                        .wake
-                        .wait(queue)
-                        .unwrap_or_else(PoisonError::into_inner);
+                    queue = crate::sync::wait(&self.wake, queue);
                 }
                 Some(at) if at > now => {
                     queue.wakes_at = Some(at);
-                    queue = self
-                        .wake
-                        .wait_timeout(queue, at - now)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0;
+                    queue = crate::sync::wait_timeout(&self.wake, queue, at - now);
                 }
                 Some(_) => {
                     queue.wakes_at = None;

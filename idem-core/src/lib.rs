@@ -40,6 +40,7 @@ pub mod record;
 pub mod run;
 pub mod store;
 pub mod sweeper;
+mod sync;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod wait;

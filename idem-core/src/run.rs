@@ -182,14 +182,10 @@ pub fn default_store_dir() -> PathBuf {
 /// [`set_default_store`], else a [`SledStore`] in [`default_store_dir`], opened on
 /// first use. An open that fails is an error now and is tried again next time.
 pub fn default_store() -> Result<Arc<dyn Store>, Error> {
-    if let Some(store) = DEFAULT_STORE
-        .read()
-        .unwrap_or_else(|p| p.into_inner())
-        .as_ref()
-    {
+    if let Some(store) = crate::sync::read(&DEFAULT_STORE).as_ref() {
         return Ok(store.clone());
     }
-    let mut slot = DEFAULT_STORE.write().unwrap_or_else(|p| p.into_inner());
+    let mut slot = crate::sync::write(&DEFAULT_STORE);
     if let Some(store) = slot.as_ref() {
         return Ok(store.clone());
     }
@@ -201,5 +197,5 @@ pub fn default_store() -> Result<Arc<dyn Store>, Error> {
 /// Replaces the process-wide default store (for runs made without
 /// [`Run::with_store`]).
 pub fn set_default_store(store: impl Store) {
-    *DEFAULT_STORE.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(store));
+    *crate::sync::write(&DEFAULT_STORE) = Some(Arc::new(store));
 }

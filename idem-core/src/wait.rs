@@ -14,7 +14,7 @@ use crate::Key;
 static WAITERS: Mutex<Option<HashMap<Key, Arc<Event>>>> = Mutex::new(None);
 
 fn with_waiters<T>(f: impl FnOnce(&mut HashMap<Key, Arc<Event>>) -> T) -> T {
-    let mut guard = WAITERS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut guard = crate::sync::lock(&WAITERS);
     f(guard.get_or_insert_with(HashMap::new))
 }
 

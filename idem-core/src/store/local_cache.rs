@@ -227,11 +227,8 @@ impl<S: Store> LocalCache<S> {
             .count()
     }
 
-    // No code path panics while holding the lock; recover the map if one ever did.
     fn lock(&self) -> MutexGuard<'_, Entries> {
-        self.entries
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::sync::lock(&self.entries)
     }
 }
 

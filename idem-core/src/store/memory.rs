@@ -2,7 +2,7 @@
 //! single-process agents.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -12,7 +12,7 @@ use crate::store::{
     decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, OwnerWrite,
     Store,
 };
-use crate::{blocking, Error, Fingerprint, Key};
+use crate::{blocking, sync, Error, Fingerprint, Key};
 
 /// How many maps a [`MemoryStore`] spreads its records over, each behind its own lock.
 /// A purge locks one map at a time, so a call waits at most for one map's share of the
@@ -59,12 +59,15 @@ impl MemoryStore {
 
     /// How many records the store holds, expired ones included until purged.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|shard| read(shard).len()).sum()
+        self.shards
+            .iter()
+            .map(|shard| sync::read(shard).len())
+            .sum()
     }
 
     /// Whether the store holds no records.
     pub fn is_empty(&self) -> bool {
-        self.shards.iter().all(|shard| read(shard).is_empty())
+        self.shards.iter().all(|shard| sync::read(shard).is_empty())
     }
 
     /// The map that holds `key`: chosen by its last eight bytes, which for a derived key
@@ -87,7 +90,7 @@ impl MemoryStore {
     }
 
     fn fenced(&self, key: &Key, token: Token, owner_write: OwnerWrite<'_>) -> Fenced {
-        let mut map = write(self.shard(key));
+        let mut map = sync::write(self.shard(key));
         match decide_fenced(
             map.get(key).map(|r| &**r),
             token,
@@ -107,19 +110,6 @@ impl MemoryStore {
     }
 }
 
-// No code path panics while holding a lock; recover the map if one ever did.
-fn read(shard: &Shard) -> RwLockReadGuard<'_, HashMap<Key, Arc<Record>>> {
-    shard
-        .read()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn write(shard: &Shard) -> RwLockWriteGuard<'_, HashMap<Key, Arc<Record>>> {
-    shard
-        .write()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryStore")
@@ -131,7 +121,7 @@ impl std::fmt::Debug for MemoryStore {
 #[async_trait]
 impl Store for MemoryStore {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
-        let mut map = write(self.shard(key));
+        let mut map = sync::write(self.shard(key));
         let (claim, new) = decide_claim(map.get(key).map(|r| &**r), request, Timestamp::now());
         if let Some(record) = new {
             map.insert(key.clone(), Arc::new(record));
@@ -171,7 +161,7 @@ impl Store for MemoryStore {
     ) {
         let now = Timestamp::now();
         // Out of the lock before `replay`, which runs the result's `Deserialize`.
-        let record = read(self.shard(key))
+        let record = sync::read(self.shard(key))
             .get(key)
             .filter(|r| is_replayable(r, fingerprint, now))
             .cloned();
@@ -182,7 +172,7 @@ impl Store for MemoryStore {
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         let now = Timestamp::now();
-        Ok(read(self.shard(key))
+        Ok(sync::read(self.shard(key))
             .get(key)
             .filter(|r| !r.is_expired(now))
             .map(|r| Record::clone(r)))
@@ -190,7 +180,7 @@ impl Store for MemoryStore {
 
     async fn delete(&self, key: &Key) -> Result<bool, Error> {
         let now = Timestamp::now();
-        Ok(write(self.shard(key))
+        Ok(sync::write(self.shard(key))
             .remove(key)
             .is_some_and(|r| !r.is_expired(now)))
     }
@@ -204,7 +194,7 @@ impl Store for MemoryStore {
         let (mut removed, mut garbage) = (0, Vec::new());
         for shard in self.shards.iter() {
             let mut expired = Vec::new();
-            write(shard).retain(|key, record| {
+            sync::write(shard).retain(|key, record| {
                 let keep = !record.is_expired(now);
                 if !keep {
                     expired.push((key.clone(), Arc::clone(record)));
@@ -296,7 +286,7 @@ mod tests {
             });
             expired.get_or_insert_with(|| Arc::downgrade(&record));
             let key = derived(i);
-            write(store.shard(&key)).insert(key, record);
+            sync::write(store.shard(&key)).insert(key, record);
         }
         std::thread::sleep(Duration::from_millis(20));
         expired.unwrap_or_default()

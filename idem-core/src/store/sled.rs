@@ -76,7 +76,7 @@ static CLOSED: Mutex<Option<HashMap<PathBuf, std::time::Instant>>> = Mutex::new(
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let mut closed = CLOSED.lock().unwrap_or_else(|p| p.into_inner());
+        let mut closed = crate::sync::lock(&CLOSED);
         let closed = closed.get_or_insert_with(HashMap::new);
         closed.retain(|_, at| at.elapsed() < LOCK_PATIENCE);
         closed.insert(self.path.clone(), std::time::Instant::now());
@@ -85,7 +85,7 @@ impl Drop for Inner {
 
 /// Whether this process closed a store in `path` within [`LOCK_PATIENCE`].
 fn closed_here_lately(path: &Path) -> bool {
-    let closed = CLOSED.lock().unwrap_or_else(|p| p.into_inner());
+    let closed = crate::sync::lock(&CLOSED);
     closed
         .as_ref()
         .and_then(|c| c.get(path))
@@ -217,7 +217,7 @@ impl SledStore {
             )
         })?;
 
-        let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+        let mut open = crate::sync::lock(&OPEN);
         let open = open.get_or_insert_with(HashMap::new);
         open.retain(|_, weak| weak.strong_count() > 0);
         if let Some(inner) = open.get(&path).and_then(Weak::upgrade) {
@@ -413,7 +413,7 @@ impl GroupCommit {
 
     /// A ticket for every write made (or seen) so far.
     fn ticket(&self) -> u64 {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = crate::sync::lock(&self.state);
         state.issued += 1;
         self.issued.store(state.issued, Ordering::SeqCst);
         state.issued
@@ -429,7 +429,7 @@ impl GroupCommit {
         loop {
             let listener = self.done.listen();
             let target = {
-                let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                let mut state = crate::sync::lock(&self.state);
                 if state.durable >= ticket {
                     return Ok(());
                 }
@@ -470,7 +470,7 @@ struct Running<'a> {
 impl Drop for Running<'_> {
     fn drop(&mut self) {
         {
-            let mut state = self.commit.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut state = crate::sync::lock(&self.commit.state);
             state.running = false;
             if self.durable {
                 state.durable = state.durable.max(self.target);
