@@ -25,7 +25,7 @@ pub(crate) struct HandedOff<F, R> {
 
 /// Takes the work out of its slot, whoever gets there first.
 fn take<F>(work: &Mutex<Option<F>>) -> Option<F> {
-    crate::sync::lock(&work).take()
+    crate::sync::lock(work).take()
 }
 
 /// Hands `work` to the blocking pool of the tokio runtime this runs in. Gives it back,
