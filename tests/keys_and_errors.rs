@@ -42,6 +42,7 @@ fn unique(prefix: &str) -> String {
 /// Every store a test runs on: memory, sled, `LocalCache`, and Postgres and Redis when
 /// their URLs are set (said loudly when they are not).
 async fn stores(dir: &std::path::Path) -> Vec<(&'static str, Arc<dyn Store>)> {
+    #[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(unused_mut))]
     let mut stores: Vec<(&'static str, Arc<dyn Store>)> = vec![
         ("memory", Arc::new(MemoryStore::new())),
         (
