@@ -141,6 +141,7 @@ async fn call_here(run: &Run, options: Options, runs: &Arc<AtomicUsize>) -> Resu
 
 /// While the worker lives, its claim holds through many leases; SIGKILLed, its claim is
 /// taken over within about a lease.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 async fn killed_worker_loses_its_claim_after_the_lease(store_name: &str) {
     let dir = tempfile::tempdir().unwrap();
     let run_id = run_id(store_name);
@@ -178,6 +179,7 @@ async fn killed_worker_loses_its_claim_after_the_lease(store_name: &str) {
 /// A worker stopped past its lease loses its claim to a retry; resumed, its renewal
 /// finds the claim gone, its body is stopped, its call returns `LostLease`, and the
 /// store keeps the new owner's result.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 async fn stopped_worker_is_fenced_off_when_it_resumes(store_name: &str) {
     let dir = tempfile::tempdir().unwrap();
     let run_id = run_id(store_name);
