@@ -1,5 +1,5 @@
 //! Store operations nobody awaits: a claim settled because its call was dropped, a
-//! renewal sent by the heartbeat thread, an outcome recorded again after the store
+//! renewal sent by the timer thread, an outcome recorded again after the store
 //! failed to take it.
 //!
 //! [`detach`] polls the operation once in place, then leaves the rest to the runtime it
@@ -21,7 +21,7 @@ use std::task::{Context, Poll, Waker};
 /// one or from a sync tool's call, on a thread of its own (in `runtime`'s context).
 ///
 /// A panic in the operation (a store's code) is caught and logged: whoever calls this
-/// (a `Drop`, the heartbeat thread) goes on.
+/// (a `Drop`, the timer thread) goes on.
 pub(crate) fn detach(
     operation: impl Future<Output = ()> + Send + 'static,
     runtime: Option<&tokio::runtime::Handle>,

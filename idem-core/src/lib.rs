@@ -43,6 +43,7 @@ pub mod sweeper;
 mod sync;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod timer;
 mod wait;
 
 pub use error::Error;

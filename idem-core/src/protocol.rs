@@ -528,7 +528,7 @@ impl<R: Send + 'static> Drop for Finishing<R> {
 }
 
 /// Runs a blocking operation at most once per key: [`execute`] for sync tools. Its claim
-/// is renewed by the heartbeat thread while it runs (a sync body cannot be stopped, so
+/// is renewed by the timer thread while it runs (a sync body cannot be stopped, so
 /// at `max_run` the renewals stop, and a takeover after the lease fences its result). A
 /// panic in the operation settles the claim by the delivery policy, then goes on.
 ///
@@ -804,7 +804,7 @@ async fn release_twice(
     why: &str,
 ) {
     settle(store, key, tool, token, options, Settling::Release, why).await;
-    heartbeat::sleep_until(Instant::now() + LATE_CLAIM).await;
+    crate::timer::sleep_until(Instant::now() + LATE_CLAIM).await;
     settle(store, key, tool, token, options, Settling::Release, why).await;
 }
 
@@ -1219,7 +1219,7 @@ fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>,
     let (key, tool, options) = (call.key.clone(), call.tool.clone(), call.options);
     let late = async move {
         for delay in RECORD_AGAIN {
-            crate::heartbeat::sleep_until(std::time::Instant::now() + delay).await;
+            crate::timer::sleep_until(std::time::Instant::now() + delay).await;
             let outcome = if failed {
                 Outcome::Failed(&bytes)
             } else {

@@ -74,7 +74,7 @@ pub(crate) trait Pause {
     fn pause(listener: EventListener, max: Duration) -> impl Future<Output = ()> + Send;
 }
 
-/// Pauses without blocking the thread, on the heartbeat thread's timer (which, unlike
+/// Pauses without blocking the thread, on the timer thread (which, unlike
 /// tokio's, is there on any executor and any runtime).
 pub(crate) struct AsyncPause;
 
@@ -84,7 +84,7 @@ impl Pause for AsyncPause {
             return listener.await;
         };
         let mut listener = std::pin::pin!(listener);
-        let mut timer = std::pin::pin!(crate::heartbeat::sleep_until(at));
+        let mut timer = std::pin::pin!(crate::timer::sleep_until(at));
         std::future::poll_fn(|cx| {
             if listener.as_mut().poll(cx).is_ready() || timer.as_mut().poll(cx).is_ready() {
                 return std::task::Poll::Ready(());

@@ -68,7 +68,7 @@ pub(crate) fn in_local_clock(claim: Claim, server_now: Timestamp) -> Claim {
 ///
 /// Inside a sync tool the thread is blocked, and tokio's timer may be one this very
 /// thread drives (a current-thread runtime's own thread): there the bound is kept by
-/// the heartbeat thread's timer, so the call ends in an error instead of hanging.
+/// the timer thread, so the call ends in an error instead of hanging.
 pub(crate) async fn bounded<T>(
     store: &'static str,
     timeout: Duration,
@@ -83,7 +83,7 @@ pub(crate) async fn bounded<T>(
     }
     let deadline = std::time::Instant::now() + timeout;
     let mut operation = std::pin::pin!(operation);
-    let mut alarm = std::pin::pin!(crate::heartbeat::sleep_until(deadline));
+    let mut alarm = std::pin::pin!(crate::timer::sleep_until(deadline));
     std::future::poll_fn(|cx| {
         use std::future::Future as _;
         if let std::task::Poll::Ready(result) = operation.as_mut().poll(cx) {
