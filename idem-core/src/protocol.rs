@@ -180,8 +180,9 @@ pub trait ErrorPolicy<E> {
     fn encode(key: &Key, error: &E) -> Result<Vec<u8>, Error>;
     /// Deserializes a stored error.
     fn decode(key: &Key, bytes: &[u8]) -> Result<E, Error>;
-    /// Checks, before an error is stored, that its bytes read back as the same error
-    /// (see [`reads_back_the_same`]).
+    /// Checks, before an error is stored, that its bytes read back as the same error:
+    /// they deserialize, and serialize again to the same JSON (up to the order of
+    /// sequence elements).
     fn read_back(bytes: &[u8]) -> Result<(), serde_json::Error>;
 }
 
