@@ -113,12 +113,14 @@ pub use idem_core::testing;
 pub use idem_core::{
     current_key, default_store, default_store_dir, key, options, protocol, record,
     set_default_store, store, sweeper, Call, Delivery, Error, Fingerprint, Key, LocalCache,
-    MemoryStore, OnBusy, Options, Record, Run, SledStore, SledStoreBuilder, State, Store,
+    MemoryStore, OnBusy, Options, Record, Run, State, Store,
 };
 #[cfg(feature = "postgres")]
 pub use idem_core::{PostgresStore, PostgresStoreBuilder};
 #[cfg(feature = "redis")]
 pub use idem_core::{RedisStore, RedisStoreBuilder};
+#[cfg(feature = "sled")]
+pub use idem_core::{SledStore, SledStoreBuilder};
 pub use idem_macros::idempotent;
 
 /// What generated code calls. Not public API: may change in any release.

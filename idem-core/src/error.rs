@@ -27,6 +27,17 @@ pub enum Error {
         tool: String,
     },
 
+    /// The run has no store, and there is no default one: idem was built without its
+    /// `sled` feature (the default store), and no store was set. Nothing was run. Give
+    /// the run a store with `Run::with_store(..)`, set a process-wide one with
+    /// `idem::set_default_store(..)`, or enable the `sled` feature.
+    #[error(
+        "no store for this run: idem was built without its `sled` feature, which provides \
+         the default store; give the run a store with `Run::with_store(..)`, set one with \
+         `idem::set_default_store(..)`, or enable the `sled` feature"
+    )]
+    NoStore,
+
     /// The key already belongs to a call with a different input. This happens when the key
     /// is built from only some arguments (`key = [...]`) and another argument changed. The
     /// stored result belongs to the other input and is not returned. Use a new run id, or
@@ -258,7 +269,9 @@ impl Error {
             | Error::StoredResult { key, .. }
             | Error::CorruptRecord { key, .. }
             | Error::UnsupportedFormat { key, .. } => Some(key),
-            Error::NoRun { .. } | Error::Input { .. } | Error::Store { .. } => None,
+            Error::NoRun { .. } | Error::NoStore | Error::Input { .. } | Error::Store { .. } => {
+                None
+            }
         }
     }
 }

@@ -61,5 +61,6 @@ pub use store::memory::MemoryStore;
 pub use store::postgres::{PostgresStore, PostgresStoreBuilder};
 #[cfg(feature = "redis")]
 pub use store::redis::{RedisStore, RedisStoreBuilder};
+#[cfg(feature = "sled")]
 pub use store::sled::{SledStore, SledStoreBuilder};
 pub use store::Store;

@@ -410,8 +410,8 @@ where
 {
     let call = call?;
     let owner = match acquire::<R, C, AsyncPause>(&call).await? {
-        Acquired::Replay(output) => return Ok(output),
-        Acquired::Owner(owner) => owner,
+        Acquisition::Replay(output) => return Ok(output),
+        Acquisition::Owner(owner) => owner,
     };
     own::<R, C, _>(&call, &owner, operation).await
 }
@@ -441,8 +441,8 @@ where
 {
     let call = call?;
     let owner = match acquire::<R, C, AsyncPause>(&call).await? {
-        Acquired::Replay(output) => return Ok(output),
-        Acquired::Owner(owner) => owner,
+        Acquisition::Replay(output) => return Ok(output),
+        Acquisition::Owner(owner) => owner,
     };
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return own::<R, C, _>(&call, &owner, operation()).await;
@@ -549,8 +549,8 @@ where
     let _blocking = crate::blocking::InSyncTool::enter();
     pollster::block_on(async {
         let owner = match acquire::<R, C, BlockingPause>(&call).await? {
-            Acquired::Replay(output) => return Ok(output),
-            Acquired::Owner(owner) => owner,
+            Acquisition::Replay(output) => return Ok(output),
+            Acquisition::Owner(owner) => owner,
         };
         let guard = Settle::new(&call, &owner);
         let beat = Beat::start(&owner.lease(&call));
@@ -584,7 +584,7 @@ impl Owner {
 }
 
 /// What an acquired key gives the caller: the stored outcome, or the claim.
-enum Acquired<R> {
+enum Acquisition<R> {
     Replay(R),
     Owner(Owner),
 }
@@ -597,7 +597,7 @@ const NOTICEABLE_WAIT: Duration = Duration::from_secs(1);
 
 /// Acquires the call's key: replays a stored outcome, or claims the key (waiting for a
 /// concurrent duplicate as the options say).
-async fn acquire<R, C, P>(call: &Call) -> Result<Acquired<R>, Error>
+async fn acquire<R, C, P>(call: &Call) -> Result<Acquisition<R>, Error>
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
@@ -617,8 +617,8 @@ where
     };
     let acquired = claim_loop::<R, C, P>(call, &store, &request).await?;
     Ok(match acquired {
-        Some(replayed) => Acquired::Replay(replayed),
-        None => Acquired::Owner(Owner {
+        Some(replayed) => Acquisition::Replay(replayed),
+        None => Acquisition::Owner(Owner {
             store: store.into_owned(),
             token: request.token,
         }),
@@ -630,7 +630,7 @@ where
 fn replay_without_claim<R: ToolOutput>(
     call: &Call,
     store: &dyn Store,
-) -> Option<Result<Acquired<R>, Error>> {
+) -> Option<Result<Acquisition<R>, Error>> {
     let key = &call.key;
     let mut hit = None;
     store.with_completed_result(key, &call.fingerprint, &mut |bytes| {
@@ -639,7 +639,7 @@ fn replay_without_claim<R: ToolOutput>(
     if hit.is_some() {
         tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
     }
-    hit.map(|replayed| replayed.map(Acquired::Replay))
+    hit.map(|replayed| replayed.map(Acquisition::Replay))
 }
 
 /// Claims the key until the claim is decided: `Ok(None)` when this call owns it now,

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
-use crate::{Error, Key, SledStore, Store};
+use crate::{Error, Key, Store};
 
 tokio::task_local! {
     static CURRENT_RUN: Run;
@@ -179,8 +179,10 @@ pub fn default_store_dir() -> PathBuf {
 }
 
 /// The store used by runs made without [`Run::with_store`]: the one set with
-/// [`set_default_store`], else a [`SledStore`] in [`default_store_dir`], opened on
-/// first use. An open that fails is an error now and is tried again next time.
+/// [`set_default_store`], else a `SledStore` in [`default_store_dir`], opened on first
+/// use. An open that fails is an error now and is tried again next time. Built without
+/// the `sled` feature, there is no such fallback: without a store set, a call is
+/// [`Error::NoStore`], and nothing runs.
 pub fn default_store() -> Result<Arc<dyn Store>, Error> {
     if let Some(store) = crate::sync::read(&DEFAULT_STORE).as_ref() {
         return Ok(store.clone());
@@ -189,9 +191,14 @@ pub fn default_store() -> Result<Arc<dyn Store>, Error> {
     if let Some(store) = slot.as_ref() {
         return Ok(store.clone());
     }
-    let store: Arc<dyn Store> = Arc::new(SledStore::open(default_store_dir())?);
-    *slot = Some(store.clone());
-    Ok(store)
+    #[cfg(feature = "sled")]
+    {
+        let store: Arc<dyn Store> = Arc::new(crate::SledStore::open(default_store_dir())?);
+        *slot = Some(store.clone());
+        Ok(store)
+    }
+    #[cfg(not(feature = "sled"))]
+    Err(Error::NoStore)
 }
 
 /// Replaces the process-wide default store (for runs made without

@@ -381,6 +381,7 @@ mod net;
 pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "sled")]
 pub mod sled;
 
 #[cfg(test)]
