@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
-/// Work on the blocking pool, and its result to come.
+/// Work on the blocking pool, and its result to come (awaited by the sled store; the
+/// memory store only hands work off).
+#[cfg_attr(not(feature = "sled"), allow(dead_code))]
 pub(crate) struct HandedOff<F, R> {
     /// The work, until a pool thread takes it.
     work: Arc<Mutex<Option<F>>>,
@@ -62,6 +64,7 @@ where
     Ok(HandedOff { work, result })
 }
 
+#[cfg(feature = "sled")]
 impl<F: FnOnce() -> R, R> HandedOff<F, R> {
     /// Waits for the work's result. Runs the work in place if the pool dropped it
     /// unrun (the runtime is shutting down); `None` if the work panicked.
@@ -75,6 +78,7 @@ impl<F: FnOnce() -> R, R> HandedOff<F, R> {
 
 /// Runs `work` on the blocking pool and waits for it, or runs it in place (see
 /// [`hand_off`]); `None` if it panicked on the pool.
+#[cfg(feature = "sled")]
 pub(crate) async fn run<F, R>(work: F) -> Option<R>
 where
     F: FnOnce() -> R + Send + 'static,

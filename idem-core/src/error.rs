@@ -280,11 +280,19 @@ impl Error {
 /// [`source`](StdError::source): what `{}` prints says why (the server's message and
 /// code, the OS error), and an error reporter can still walk the original chain.
 #[derive(Debug)]
+#[cfg_attr(
+    not(any(feature = "sled", feature = "postgres", feature = "redis")),
+    allow(dead_code)
+)]
 pub(crate) struct Fault {
     text: String,
     source: Box<dyn StdError + Send + Sync>,
 }
 
+#[cfg_attr(
+    not(any(feature = "sled", feature = "postgres", feature = "redis")),
+    allow(dead_code)
+)]
 impl Fault {
     /// `text`, caused by `source`.
     pub(crate) fn new(
@@ -298,6 +306,7 @@ impl Fault {
     }
 
     /// `source` described by its whole chain (see [`chain`]), with `source` kept.
+    #[cfg(feature = "sled")]
     pub(crate) fn chained(source: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
         let source = source.into();
         Fault {
@@ -321,6 +330,10 @@ impl StdError for Fault {
 
 /// `error` and its sources as one line, `outer: inner: innermost`, leaving out a
 /// source whose message the one before it already includes.
+#[cfg_attr(
+    not(any(feature = "sled", feature = "postgres", feature = "redis")),
+    allow(dead_code)
+)]
 pub(crate) fn chain(error: &(dyn StdError + 'static)) -> String {
     let mut text = error.to_string();
     let mut last = text.clone();

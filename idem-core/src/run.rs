@@ -187,6 +187,7 @@ pub fn default_store() -> Result<Arc<dyn Store>, Error> {
     if let Some(store) = crate::sync::read(&DEFAULT_STORE).as_ref() {
         return Ok(store.clone());
     }
+    #[cfg_attr(not(feature = "sled"), allow(unused_mut))]
     let mut slot = crate::sync::write(&DEFAULT_STORE);
     if let Some(store) = slot.as_ref() {
         return Ok(store.clone());
