@@ -4,7 +4,7 @@
 //! completion, at random moments), restarted with the same run id and left to finish.
 //! Its agent also stops waiting for calls (before and after the side effect) and its
 //! bodies panic (before and after the side effect); the agent retries at once. Then a
-//! clean worker replays every op. Prints the table the README publishes.
+//! clean worker replays every op. Prints the table `docs/guarantees.md` publishes.
 //!
 //! ```text
 //! cargo run --release --all-features --example crash_campaign -- --faults 1000

@@ -235,7 +235,7 @@ pub enum Error {
     ///
     /// A store that fails *after* the body ran never gives this error: the caller gets
     /// the body's own value, and idem tries to record it again in the background (see
-    /// the guarantees in the README).
+    /// `docs/errors.md`).
     #[error("{store} store failed: {source}; the operation was not run")]
     Store {
         /// Which store ("sled", "memory", ...).

@@ -488,8 +488,7 @@ impl Drop for Running<'_> {
 /// [`tokio::task::block_in_place`], which first hands this worker's other tasks to
 /// another thread. Handing the flush itself to a blocking thread instead
 /// (`spawn_blocking`) costs a thread wake-up at each end, and a serial miss has two
-/// flushes: about 25 µs more per flush where the worker had gone idle meanwhile (145 µs
-/// against 117 µs in place, on a 2-core machine). A current-thread runtime has no
+/// flushes (the figures are in `docs/performance.md`). A current-thread runtime has no
 /// other worker to hand its tasks to (and `block_in_place` panics there), so there the
 /// flush goes to a blocking thread, or runs in place when the OS starts none; outside
 /// any runtime (a sync tool) it simply blocks this thread. The flavor is that of the
