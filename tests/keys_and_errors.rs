@@ -524,6 +524,71 @@ async fn index(ran: &Ran) -> Result<Index, Error> {
     })
 }
 
+#[idempotent(skip = [ran])]
+async fn rows(n: u32, ran: &Ran) -> Result<Vec<std::collections::HashMap<String, u32>>, Error> {
+    ran.bump();
+    Ok((0..n)
+        .map(|i| (0..6).map(|j| (format!("k{j}"), i * 10 + j)).collect())
+        .collect())
+}
+
+#[idempotent(skip = [ran])]
+async fn probabilities(n: u32, ran: &Ran) -> Result<Vec<f64>, Error> {
+    ran.bump();
+    Ok((0..n).map(|i| (-f64::from(i) / 1000.0).exp()).collect())
+}
+
+#[tokio::test]
+async fn maps_in_a_sequence_and_floats_of_every_kind_are_stored_and_replayed_to_the_bit() {
+    // This workspace builds serde_json with `preserve_order` (rig turns it on), so a
+    // map's JSON follows its hash order: the sequence of maps must still compare equal.
+    let run = run("rows");
+    let ran = Ran::default();
+    let first = run.scope(rows(12, &ran)).await.unwrap();
+    assert_eq!(run.scope(rows(12, &ran)).await.unwrap(), first);
+    assert_eq!(ran.get(), 1);
+
+    // Floats a parser that is not exact reads back one unit off.
+    let ran = Ran::default();
+    let first = run.scope(probabilities(20_000, &ran)).await.unwrap();
+    let replayed = run.scope(probabilities(20_000, &ran)).await.unwrap();
+    assert!(first
+        .iter()
+        .zip(&replayed)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert_eq!(ran.get(), 1);
+}
+
+/// The threads of this process (Linux).
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+}
+
+#[test]
+fn failing_calls_from_sync_tools_do_not_start_a_thread_each() {
+    let store = Arc::new(FailingComplete::new(
+        Arc::new(MemoryStore::new()),
+        usize::MAX,
+    ));
+    store.claim_failures.store(usize::MAX, Ordering::SeqCst);
+    let run = Run::new("many-failures").with_shared_store(store);
+    let ran = Ran::default();
+    let _ = run.sync_scope(|| send_receipt_sync("warm-up".into(), &ran));
+    let before = threads();
+    for i in 0..300 {
+        let err = run
+            .sync_scope(|| send_receipt_sync(format!("to-{i}"), &ran))
+            .unwrap_err();
+        assert!(matches!(err, Error::Store { .. }), "{err}");
+    }
+    let after = threads();
+    assert!(
+        after < before + 8,
+        "{before} threads before, {after} after 300 failed claims"
+    );
+    assert_eq!(ran.get(), 0);
+}
+
 #[tokio::test]
 async fn a_result_that_reads_back_as_another_value_is_refused_and_sets_and_maps_are_not() {
     let run = run("misread");

@@ -6,19 +6,20 @@
 //! belongs to. The in-process stores do their work in that first poll (a memory store
 //! completely; sled writes the record there, and only its flush waits), so their part
 //! is done even when no task will ever run again: a runtime shutting down, a call
-//! dropped outside any runtime. A network store's operation runs on its runtime, the
-//! one its connection lives on. What is left after the first poll never blocks the
+//! dropped outside any runtime. A network store's operation goes on on the caller's
+//! runtime, the one its connection lives on, when it can. What is left after the first poll never blocks the
 //! caller: without a runtime, or from a sync tool's call (whose thread may be the one
-//! its runtime runs on, blocked), it goes on on a thread of its own.
+//! its runtime runs on, blocked), it goes on on idem's one background thread.
 
 use std::future::Future;
 use std::panic::{self, AssertUnwindSafe};
 use std::pin::Pin;
+use std::sync::OnceLock;
 use std::task::{Context, Poll, Waker};
 
 /// Runs `operation` to its end without the caller waiting for it: one poll here (inside
 /// `runtime`'s context, if given), then the rest as a task of `runtime`, or, without
-/// one or from a sync tool's call, on a thread of its own (in `runtime`'s context).
+/// one or from a sync tool's call, as a task of idem's own background thread.
 ///
 /// A panic in the operation (a store's code) is caught and logged: whoever calls this
 /// (a `Drop`, the timer thread) goes on.
@@ -41,20 +42,47 @@ pub(crate) fn detach(
     match runtime {
         // A runtime shutting down drops the task: what the first poll did stays done.
         Some(runtime) if !crate::blocking::in_sync_tool() => drop(runtime.spawn(operation)),
-        runtime => {
-            let runtime = runtime.cloned();
-            let apart = move || {
-                let _context = runtime.as_ref().map(tokio::runtime::Handle::enter);
-                if panic::catch_unwind(AssertUnwindSafe(|| pollster::block_on(operation))).is_err()
-                {
-                    panicked();
-                }
-            };
-            let spawned = std::thread::Builder::new()
-                .name("idem-background".into())
-                .spawn(apart);
-            if let Err(error) = spawned {
-                tracing::warn!(%error, "idem: cannot start a thread for a store operation nobody awaits; it is left undone (a claim it would settle runs out after its lease)");
+        _ => match own_runtime() {
+            Some(own) => drop(own.spawn(Caught(operation))),
+            None => tracing::warn!("idem: no thread to finish a store operation nobody awaits; it is left undone (a claim it would settle runs out after its lease)"),
+        },
+    }
+}
+
+/// A runtime of idem's own, on one thread (`idem-background`), started on first use: for
+/// what is left of an operation whose caller has no runtime, or blocks its runtime's
+/// only thread in a sync tool. One thread for every such operation, however many.
+/// `None` if the OS would not start it.
+fn own_runtime() -> Option<&'static tokio::runtime::Handle> {
+    static OWN: OnceLock<Option<tokio::runtime::Handle>> = OnceLock::new();
+    OWN.get_or_init(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        let handle = runtime.handle().clone();
+        std::thread::Builder::new()
+            .name("idem-background".into())
+            .spawn(move || runtime.block_on(std::future::pending::<()>()))
+            .ok()?;
+        Some(handle)
+    })
+    .as_ref()
+}
+
+/// An operation whose panic is caught and logged, not left to the runtime.
+struct Caught(Pin<Box<dyn Future<Output = ()> + Send>>);
+
+impl Future for Caught {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let operation = &mut self.0;
+        match panic::catch_unwind(AssertUnwindSafe(|| operation.as_mut().poll(cx))) {
+            Ok(poll) => poll,
+            Err(_) => {
+                panicked();
+                Poll::Ready(())
             }
         }
     }

@@ -242,7 +242,8 @@ impl<E: Replayable> ErrorPolicy<E> for CacheErrors {
 /// `null`; `skip_serializing_if` without `default`) and one it would read as another
 /// value (an untagged enum whose variants overlap: `1` read as `1.0`). It cannot see a
 /// value whose JSON is ambiguous in both directions, such as `Some(())` in an
-/// `Option<()>`: both `Some(())` and `None` are `null`.
+/// `Option<()>` (both `Some(())` and `None` are `null`), nor a `Deserialize` that
+/// reorders a sequence, since sequences are compared as unordered.
 pub(crate) fn reads_back_the_same<T: Replayable>(bytes: &[u8]) -> Result<(), serde_json::Error> {
     let back: T = serde_json::from_slice(bytes)?;
     let again = serde_json::to_vec(&back)?;
@@ -271,7 +272,9 @@ pub(crate) fn reads_back_the_same<T: Replayable>(bytes: &[u8]) -> Result<(), ser
     )))
 }
 
-/// `value` with the elements of every sequence in one order (by their JSON text).
+/// `value` with every object's keys in sorted order and the elements of every sequence
+/// in one order (by their JSON text, which sorted keys make the same whether or not
+/// serde_json keeps insertion order).
 fn sorted_sequences(value: serde_json::Value) -> serde_json::Value {
     use serde_json::Value;
     match value {
@@ -280,11 +283,14 @@ fn sorted_sequences(value: serde_json::Value) -> serde_json::Value {
             items.sort_by_cached_key(Value::to_string);
             Value::Array(items)
         }
-        Value::Object(map) => Value::Object(
-            map.into_iter()
+        Value::Object(map) => {
+            let mut entries: Vec<(String, Value)> = map
+                .into_iter()
                 .map(|(k, v)| (k, sorted_sequences(v)))
-                .collect(),
-        ),
+                .collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            Value::Object(entries.into_iter().collect())
+        }
         other => other,
     }
 }
