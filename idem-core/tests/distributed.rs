@@ -667,39 +667,50 @@ async fn unreachable_redis_fails_closed_within_the_timeout() {
 }
 
 /// A Redis server of this test's own, which it stops and starts again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_store_fails_closed_while_the_server_is_down_and_recovers_after() {
-    if Command::new("redis-server")
+/// Whether a `redis-server` binary is here to start and stop (said loudly when not).
+fn redis_server_here() -> bool {
+    let here = Command::new("redis-server")
         .arg("--version")
         .output()
-        .is_err()
-    {
+        .is_ok();
+    if !here {
         eprintln!("SKIPPED: no redis-server binary to start and stop; this test checked nothing");
+    }
+    here
+}
+
+/// A `redis-server` of this test's own on `port`, keeping nothing on disk; returns once
+/// it accepts connections.
+fn start_redis_server(port: u16) -> std::process::Child {
+    let child = Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis-server did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_fails_closed_while_the_server_is_down_and_recovers_after() {
+    if !redis_server_here() {
         return;
     }
     let port = closed_port();
-    let start = || {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        child
-    };
+    let start = || start_redis_server(port);
     let mut server = start();
     let store = RedisStore::builder(&format!("redis://127.0.0.1:{port}"))
         .timeout(Duration::from_millis(500))
@@ -943,34 +954,11 @@ async fn counted(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_stopped_after_the_body_ran_the_caller_gets_its_value_and_the_retry_replays_it() {
-    if Command::new("redis-server")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("SKIPPED: no redis-server binary to start and stop; this test checked nothing");
+    if !redis_server_here() {
         return;
     }
     let port = closed_port();
-    let mut server = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "redis-server did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut server = start_redis_server(port);
     let pid = server.id().to_string();
     let signal = |sig: &str| {
         assert!(Command::new("kill")

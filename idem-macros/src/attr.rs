@@ -107,33 +107,15 @@ impl Parse for Args {
                     args.name = Some(name);
                 }
                 "key" => {
-                    input.parse::<Token![=]>()?;
-                    let content;
-                    syn::bracketed!(content in input);
-                    let exprs = Punctuated::<Expr, Token![,]>::parse_terminated(&content)?;
-                    if exprs.is_empty() {
-                        return Err(syn::Error::new(
-                            name.span(),
-                            "`key = []` is empty: name the arguments (or fields, like `input.to`) that form the key, or leave `key` out to use all arguments",
-                        ));
-                    }
-                    args.key = Some(exprs.into_iter().collect());
+                    let exprs = bracketed(input, &name, "name the arguments (or fields, like `input.to`) that form the key, or leave `key` out to use all arguments")?;
+                    args.key = Some(exprs);
                 }
                 "scope" => {
-                    input.parse::<Token![=]>()?;
-                    let content;
-                    syn::bracketed!(content in input);
-                    let exprs = Punctuated::<Expr, Token![,]>::parse_terminated(&content)?;
-                    if exprs.is_empty() {
-                        return Err(syn::Error::new(
-                            name.span(),
-                            "`scope = []` is empty: name the fields of `self` that tell two receivers apart, like `scope = [self.account]`",
-                        ));
-                    }
+                    let exprs = bracketed(input, &name, "name the fields of `self` that tell two receivers apart, like `scope = [self.account]`")?;
                     for expr in &exprs {
                         self_field(expr)?;
                     }
-                    args.scope = exprs.into_iter().collect();
+                    args.scope = exprs;
                 }
                 "skip" => {
                     input.parse::<Token![=]>()?;
@@ -179,6 +161,22 @@ impl Parse for Args {
         }
         Ok(args)
     }
+}
+
+/// `= [a, b, ..]`: a non-empty list of expressions; an empty one is an error at the
+/// option's name, saying what to write instead (`hint`).
+fn bracketed(input: ParseStream<'_>, option: &Ident, hint: &str) -> syn::Result<Vec<Expr>> {
+    input.parse::<Token![=]>()?;
+    let content;
+    syn::bracketed!(content in input);
+    let exprs = Punctuated::<Expr, Token![,]>::parse_terminated(&content)?;
+    if exprs.is_empty() {
+        return Err(syn::Error::new(
+            option.span(),
+            format!("`{option} = []` is empty: {hint}"),
+        ));
+    }
+    Ok(exprs.into_iter().collect())
 }
 
 fn value<T: Parse>(input: ParseStream<'_>) -> syn::Result<T> {
