@@ -627,7 +627,7 @@ async fn a_result_that_cannot_be_read_back_is_refused_at_the_first_call_and_neve
             assert_unreplayable(&err, "average");
             // At-least-once: nothing stored, the key released: the retry runs again
             // (and is told again), never `StoredResult`.
-            let key = Key::from_text(err.key().unwrap());
+            let key = err.key().unwrap().clone();
             assert!(store.get(&key).await.unwrap().is_none(), "{name}");
             let again = run.scope(average(case, &ran)).await.unwrap_err();
             assert_unreplayable(&again, "average");

@@ -4,6 +4,8 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::time::Duration;
 
+use crate::Key;
+
 /// Everything that can go wrong around an idempotent call.
 ///
 /// Each variant says what happened and what the caller can do. None of them means the
@@ -48,7 +50,7 @@ pub enum Error {
     )]
     PayloadMismatch {
         /// The idempotency key.
-        key: String,
+        key: Key,
     },
 
     /// Another call with the same key is running: its claim is alive (renewed by its
@@ -64,7 +66,7 @@ pub enum Error {
     )]
     InProgress {
         /// The idempotency key.
-        key: String,
+        key: Key,
         /// How long the other call's claim held when this call gave up, unless renewed.
         lease_left: Duration,
         /// How long this call waited for it.
@@ -87,7 +89,7 @@ pub enum Error {
     )]
     OutcomeUnknown {
         /// The idempotency key.
-        key: String,
+        key: Key,
         /// How long the record of the unfinished call lives on.
         expires_in: Duration,
     },
@@ -106,7 +108,7 @@ pub enum Error {
     )]
     LostLease {
         /// The idempotency key.
-        key: String,
+        key: Key,
     },
 
     /// The body ran longer than the tool's `max_run` and was stopped (dropped at its
@@ -122,7 +124,7 @@ pub enum Error {
     )]
     MaxRunExceeded {
         /// The idempotency key.
-        key: String,
+        key: Key,
         /// The limit it ran into.
         max_run: Duration,
     },
@@ -146,7 +148,7 @@ pub enum Error {
     #[error("result for key `{key}` cannot be serialized for storage: {source}")]
     Output {
         /// The idempotency key.
-        key: String,
+        key: Key,
         /// What serde reported.
         #[source]
         source: serde_json::Error,
@@ -162,7 +164,7 @@ pub enum Error {
     )]
     ResultTooLarge {
         /// The idempotency key.
-        key: String,
+        key: Key,
         /// The serialized result's size in bytes.
         size: usize,
         /// The store's limit.
@@ -186,7 +188,7 @@ pub enum Error {
         /// The tool that was called.
         tool: String,
         /// The idempotency key.
-        key: String,
+        key: Key,
         /// What serde reported when reading the result back.
         #[source]
         source: serde_json::Error,
@@ -203,7 +205,7 @@ pub enum Error {
     )]
     StoredResult {
         /// The idempotency key.
-        key: String,
+        key: Key,
         /// What serde reported.
         #[source]
         source: serde_json::Error,
@@ -214,7 +216,7 @@ pub enum Error {
     #[error("corrupt record under key `{key}`: {reason}")]
     CorruptRecord {
         /// The idempotency key (lossily decoded, if the stored key was not UTF-8).
-        key: String,
+        key: Key,
         /// What is wrong with the bytes.
         reason: String,
     },
@@ -224,9 +226,20 @@ pub enum Error {
     #[error("record under key `{key}` has unknown format version {version}; upgrade idem")]
     UnsupportedFormat {
         /// The idempotency key.
-        key: String,
+        key: Key,
         /// The version byte found.
         version: u8,
+    },
+
+    /// The operating system's random source failed, so idem cannot make the token
+    /// that fences a claim. Nothing was run.
+    #[error(
+        "the operating system's random source failed ({reason}): idem cannot make a claim \
+         token; the operation was not run"
+    )]
+    Random {
+        /// What the random source reported.
+        reason: String,
     },
 
     /// The store could not be reached or failed (I/O error, lost connection, locked
@@ -256,7 +269,7 @@ impl Error {
     }
 
     /// The idempotency key the error is about, if it is about one key.
-    pub fn key(&self) -> Option<&str> {
+    pub fn key(&self) -> Option<&Key> {
         match self {
             Error::PayloadMismatch { key }
             | Error::InProgress { key, .. }
@@ -269,9 +282,11 @@ impl Error {
             | Error::StoredResult { key, .. }
             | Error::CorruptRecord { key, .. }
             | Error::UnsupportedFormat { key, .. } => Some(key),
-            Error::NoRun { .. } | Error::NoStore | Error::Input { .. } | Error::Store { .. } => {
-                None
-            }
+            Error::NoRun { .. }
+            | Error::NoStore
+            | Error::Input { .. }
+            | Error::Random { .. }
+            | Error::Store { .. } => None,
         }
     }
 }

@@ -38,11 +38,11 @@
 
 use std::cell::RefCell;
 use std::fmt;
-use std::sync::Arc;
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+pub use crate::key_text::Key;
 use crate::{canonical, Error};
 
 /// The SHA-256 digest of a call: its key parts and the canonical form of an input.
@@ -269,13 +269,6 @@ impl KeyParts<'_> {
     }
 }
 
-/// An idempotency key: `<tool label>.<64 hex digits>`, printable ASCII.
-///
-/// Cheap to clone. Its text can be forwarded downstream (an `Idempotency-Key` header,
-/// an email provider's dedup id): see [`current_key`](crate::current_key).
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key(Arc<str>);
-
 /// Longest tool label kept in a key's text.
 const LABEL_MAX: usize = 64;
 
@@ -324,35 +317,7 @@ impl Key {
             len += 2;
         }
         // Every byte written above is ASCII, so this never takes the fallback.
-        Key(std::str::from_utf8(&text[..len]).unwrap_or("_").into())
-    }
-
-    /// Wraps a key read back from a store or chosen by hand.
-    pub fn from_text(text: impl Into<Arc<str>>) -> Key {
-        Key(text.into())
-    }
-
-    /// The key's text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for Key {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl fmt::Debug for Key {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Key({})", self.0)
-    }
-}
-
-impl AsRef<str> for Key {
-    fn as_ref(&self) -> &str {
-        &self.0
+        Key::from_text(std::str::from_utf8(&text[..len]).unwrap_or("_"))
     }
 }
 

@@ -34,6 +34,7 @@ mod canonical;
 mod error;
 mod heartbeat;
 pub mod key;
+mod key_text;
 pub mod options;
 pub mod protocol;
 pub mod record;

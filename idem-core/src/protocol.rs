@@ -194,13 +194,13 @@ impl<E> ErrorPolicy<E> for ReleaseErrors {
     const CACHES: bool = false;
     fn encode(key: &Key, _: &E) -> Result<Vec<u8>, Error> {
         Err(Error::Output {
-            key: key.to_string(),
+            key: key.clone(),
             source: serde::ser::Error::custom("errors are not cached by this tool"),
         })
     }
     fn decode(key: &Key, _: &[u8]) -> Result<E, Error> {
         Err(Error::StoredResult {
-            key: key.to_string(),
+            key: key.clone(),
             source: serde::de::Error::custom("errors are not cached by this tool"),
         })
     }
@@ -219,13 +219,13 @@ impl<E: Replayable> ErrorPolicy<E> for CacheErrors {
     const CACHES: bool = true;
     fn encode(key: &Key, error: &E) -> Result<Vec<u8>, Error> {
         serde_json::to_vec(error).map_err(|source| Error::Output {
-            key: key.to_string(),
+            key: key.clone(),
             source,
         })
     }
     fn decode(key: &Key, bytes: &[u8]) -> Result<E, Error> {
         serde_json::from_slice(bytes).map_err(|source| Error::StoredResult {
-            key: key.to_string(),
+            key: key.clone(),
             source,
         })
     }
@@ -705,14 +705,12 @@ where
             }
             Claim::Mismatch => {
                 tracing::warn!(tool = %call.tool, %key, "idem: payload mismatch");
-                return Err(Error::PayloadMismatch {
-                    key: key.to_string(),
-                });
+                return Err(Error::PayloadMismatch { key: key.clone() });
             }
             Claim::Abandoned { expires_at } => {
                 tracing::warn!(tool = %call.tool, %key, "idem: an earlier call stopped without an outcome; it is unknown (at-most-once)");
                 return Err(Error::OutcomeUnknown {
-                    key: key.to_string(),
+                    key: key.clone(),
                     expires_in: expires_at.remaining(Timestamp::now()),
                 });
             }
@@ -846,7 +844,7 @@ impl<'a> Waiting<'a> {
             _ => {
                 tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, not waiting longer");
                 return Err(Error::InProgress {
-                    key: key.to_string(),
+                    key: key.clone(),
                     lease_left,
                     waited,
                 });
@@ -883,7 +881,7 @@ fn replay<R: ToolOutput>(key: &Key, bytes: &[u8]) -> Result<R, Error> {
     serde_json::from_slice::<R::Ok>(bytes)
         .map(|value| R::from_result(Ok(value)))
         .map_err(|source| Error::StoredResult {
-            key: key.to_string(),
+            key: key.clone(),
             source,
         })
 }
@@ -912,14 +910,14 @@ where
             tracing::warn!(tool = %call.tool, key = %call.key, max_run = %Human(call.options.max_run), "idem: the body ran past its max_run and was stopped");
             guard.settle("was stopped at its max_run").await;
             Err(Error::MaxRunExceeded {
-                key: call.key.to_string(),
+                key: call.key.clone(),
                 max_run: call.options.max_run,
             })
         }
         Ran::Lost => {
             guard.disarm();
             Err(Error::LostLease {
-                key: call.key.to_string(),
+                key: call.key.clone(),
             })
         }
     }
@@ -1153,9 +1151,7 @@ where
             guard.0.disarm();
             wait::notify(key);
             tracing::warn!(tool = %call.tool, %key, "idem: the claim was lost while the body ran; result not stored");
-            Err(Error::LostLease {
-                key: key.to_string(),
-            })
+            Err(Error::LostLease { key: key.clone() })
         }
         Err(error) => {
             // The body ran: what it returned is the truth, so the caller gets it. The
@@ -1177,7 +1173,7 @@ fn storable<T: Serialize>(
     read_back: impl FnOnce(&[u8]) -> Result<(), serde_json::Error>,
 ) -> Result<Vec<u8>, Error> {
     let bytes = serde_json::to_vec(value).map_err(|source| Error::Output {
-        key: call.key.to_string(),
+        key: call.key.clone(),
         source,
     })?;
     let bytes = within_limit(call, store, bytes)?;
@@ -1190,7 +1186,7 @@ fn within_limit(call: &Call, store: &Arc<dyn Store>, bytes: Vec<u8>) -> Result<V
     let limit = store.max_result_bytes();
     if bytes.len() > limit {
         return Err(Error::ResultTooLarge {
-            key: call.key.to_string(),
+            key: call.key.clone(),
             size: bytes.len(),
             limit,
         });
@@ -1201,7 +1197,7 @@ fn within_limit(call: &Call, store: &Arc<dyn Store>, bytes: Vec<u8>) -> Result<V
 fn unreadable(call: &Call, source: serde_json::Error) -> Error {
     Error::Unreplayable {
         tool: call.tool.to_string(),
-        key: call.key.to_string(),
+        key: call.key.clone(),
         source,
     }
 }

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::{Error, Fingerprint};
+use crate::{Error, Fingerprint, Key};
 
 /// A point in time: milliseconds since the Unix epoch, by the clock of whoever wrote it.
 ///
@@ -93,7 +93,11 @@ impl Token {
             .unwrap_or(0);
         let seed = match seed {
             Ok(seed) => *seed ^ nanos,
-            Err(e) => return Err(Error::store("os-random", e.clone())),
+            Err(reason) => {
+                return Err(Error::Random {
+                    reason: reason.clone(),
+                })
+            }
         };
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         Ok(Token(u128::from(seed) << 64 | u128::from(n)))
@@ -201,13 +205,13 @@ impl Record {
     pub fn decode_expiry(key: &str, bytes: &[u8]) -> Result<Timestamp, Error> {
         if bytes.len() < 5 || &bytes[..4] != MAGIC {
             return Err(Error::CorruptRecord {
-                key: key.to_owned(),
+                key: Key::from_text(key),
                 reason: "not an idem record (bad magic)".to_owned(),
             });
         }
         if bytes[4] != FORMAT_VERSION {
             return Err(Error::UnsupportedFormat {
-                key: key.to_owned(),
+                key: Key::from_text(key),
                 version: bytes[4],
             });
         }
@@ -216,7 +220,7 @@ impl Record {
             Some(slice) => b.copy_from_slice(slice),
             None => {
                 return Err(Error::CorruptRecord {
-                    key: key.to_owned(),
+                    key: Key::from_text(key),
                     reason: "truncated header".to_owned(),
                 })
             }
@@ -247,7 +251,7 @@ impl Record {
     /// Decodes a record read under `key`. Never panics, whatever the bytes.
     pub fn decode(key: &str, bytes: &[u8]) -> Result<Record, Error> {
         let corrupt = |reason: &str| Error::CorruptRecord {
-            key: key.to_owned(),
+            key: Key::from_text(key),
             reason: reason.to_owned(),
         };
         if bytes.len() < 5 || &bytes[..4] != MAGIC {
@@ -255,7 +259,7 @@ impl Record {
         }
         if bytes[4] != FORMAT_VERSION {
             return Err(Error::UnsupportedFormat {
-                key: key.to_owned(),
+                key: Key::from_text(key),
                 version: bytes[4],
             });
         }

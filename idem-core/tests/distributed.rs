@@ -228,7 +228,7 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
             store.get(&key).await.unwrap_err(),
         ] {
             assert!(
-                matches!(&err, Error::CorruptRecord { key: k, reason: r } if *k == key.to_string() && r.contains(reason)),
+                matches!(&err, Error::CorruptRecord { key: k, reason: r } if *k == key && r.contains(reason)),
                 "{name}: {err}"
             );
         }

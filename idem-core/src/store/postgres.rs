@@ -451,7 +451,7 @@ fn decode_read(key: &Key, row: &Row) -> Result<(Option<Record>, Timestamp), Erro
 /// The record in a row of the `read` query, or `None` if the key has no row.
 fn decode_row(key: &Key, row: &Row) -> Result<Option<Record>, Error> {
     let corrupt = |reason: String| Error::CorruptRecord {
-        key: key.to_string(),
+        key: key.clone(),
         reason,
     };
     let fingerprint: Option<Vec<u8>> = row.try_get(0).map_err(pg_error)?;

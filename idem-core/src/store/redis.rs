@@ -131,7 +131,7 @@ fn decode(key: &Key, bytes: &[u8]) -> Result<Record, Error> {
     let record = Record::decode(key.as_str(), bytes)?;
     if record.expires_at <= record.created_at {
         return Err(Error::CorruptRecord {
-            key: key.to_string(),
+            key: key.clone(),
             reason: "the record expires when it is stored".to_owned(),
         });
     }
@@ -145,7 +145,7 @@ impl Found {
     fn in_time(key: &Key, bytes: Vec<u8>, left: i64, now: Timestamp) -> Result<Found, Error> {
         let mut record = decode(key, &bytes)?;
         let left = u64::try_from(left).map_err(|_| Error::CorruptRecord {
-            key: key.to_string(),
+            key: key.clone(),
             reason: "the Redis key has no expiry; idem sets one on every record".to_owned(),
         })?;
         let expires_at = now.0.saturating_add(left);
@@ -400,7 +400,7 @@ fn command_error(key: &Key, e: redis::RedisError) -> Error {
         .is_some_and(|errors| errors.iter().any(|(_, e)| e.code() == "WRONGTYPE"));
     if wrong_type {
         return Error::CorruptRecord {
-            key: key.to_string(),
+            key: key.clone(),
             reason: "the Redis key holds another type than a string: not a record this idem \
                      reads (earlier builds kept hashes; delete the key or let it expire)"
                 .to_owned(),
