@@ -70,7 +70,7 @@ fn key_derivation(c: &mut Criterion) {
                     Some(&run),
                     "send_email",
                     idem::Options::new(),
-                    &[black_box(input) as &dyn idem::__private::KeyInput],
+                    &[black_box(input) as &dyn idem::key::KeyInput],
                     None,
                 )
                 .unwrap()

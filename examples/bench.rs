@@ -148,7 +148,7 @@ fn main() {
                 Some(&run),
                 "send_email",
                 idem::Options::new(),
-                &[&input as &dyn idem::__private::KeyInput],
+                &[&input as &dyn idem::key::KeyInput],
                 None,
             );
             std::hint::black_box(call.unwrap());
@@ -173,7 +173,7 @@ fn main() {
     let (alone, floor) = rt.block_on(compare(
         n,
         |_| async {
-            let args = [&input as &dyn idem::__private::KeyInput];
+            let args = [&input as &dyn idem::key::KeyInput];
             std::hint::black_box(idem::Fingerprint::of_args(&parts, &args).unwrap());
         },
         |_| async {

@@ -137,7 +137,8 @@ impl fmt::Debug for Fingerprint {
 
 /// `value` in canonical JSON: the exact bytes that follow the key parts into its
 /// fingerprint.
-pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+#[cfg(test)]
+fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
     let mut out = Vec::new();
     canonical::write(&mut out, value)?;
     Ok(out)

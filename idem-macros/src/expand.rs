@@ -5,9 +5,9 @@
 //!
 //! ```text
 //! async fn send_email(input: SendEmail) -> Result<Sent, ToolError> {
-//!     let __idem_call = ::idem::__private::Call::from_args(
+//!     let __idem_call = ::idem::__private_0_1_0::Call::from_args(
 //!         None, "send_email", OPTIONS, &[&input as &dyn KeyInput], None);
-//!     match ::idem::__private::execute::<Result<Sent, ToolError>, ReleaseErrors, _>(
+//!     match ::idem::__private_0_1_0::execute::<Result<Sent, ToolError>, ReleaseErrors, _>(
 //!         __idem_call, async move { body }).await
 //!     {
 //!         Ok(output) => output,                          // run now, or replayed
@@ -55,7 +55,13 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         .as_ref()
         .map(|p| quote!(#p))
         .unwrap_or_else(|| quote!(::idem));
-    let private = quote!(#krate::__private);
+    // The facade's hidden module for generated code, named after this crate's version
+    // (the two are released together): a mismatched pair fails to compile.
+    let private_module = format_ident!(
+        "__private_{}",
+        env!("CARGO_PKG_VERSION").replace(['.', '-', '+'], "_")
+    );
+    let private = quote!(#krate::#private_module);
 
     let ret = match &func.sig.output {
         ReturnType::Type(_, ty) => (**ty).clone(),
