@@ -7,9 +7,10 @@
 //! completely; sled writes the record there, and only its flush waits), so their part
 //! is done even when no task will ever run again: a runtime shutting down, a call
 //! dropped outside any runtime. A network store's operation goes on on the caller's
-//! runtime, the one its connection lives on, when it can. What is left after the first poll never blocks the
-//! caller: without a runtime, or from a sync tool's call (whose thread may be the one
-//! its runtime runs on, blocked), it goes on on idem's one background thread.
+//! runtime, the one its connection lives on, when it can. What is left after the first
+//! poll never blocks the caller: without a runtime, or from a sync tool's call (whose
+//! thread may be the one its runtime runs on, blocked), it goes on on idem's one
+//! background thread.
 
 use std::future::Future;
 use std::panic::{self, AssertUnwindSafe};
@@ -41,7 +42,9 @@ pub(crate) fn detach(
     }
     match runtime {
         // A runtime shutting down drops the task: what the first poll did stays done.
-        Some(runtime) if !crate::blocking::in_sync_tool() => drop(runtime.spawn(operation)),
+        Some(runtime) if !crate::blocking::in_sync_tool() => {
+            drop(runtime.spawn(Caught(operation)))
+        }
         _ => match own_runtime() {
             Some(own) => drop(own.spawn(Caught(operation))),
             None => tracing::warn!("idem: no thread to finish a store operation nobody awaits; it is left undone (a claim it would settle runs out after its lease)"),

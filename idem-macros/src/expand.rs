@@ -313,7 +313,7 @@ fn params(func: &ItemFn, args: &Args) -> syn::Result<Vec<Param>> {
         };
         let role = if args.skip.contains(&ident) {
             Role::Skipped
-        } else if run_type(&typed.ty).is_some() {
+        } else if is_run_type(&typed.ty) {
             if let Some(first) = run_seen {
                 let mut err =
                     syn::Error::new_spanned(&typed.ty, "only one `Run` argument is allowed");
@@ -397,24 +397,27 @@ fn bindings(pattern: &Pat, out: &mut Vec<Ident>) -> syn::Result<()> {
     }
 }
 
-/// `Some(by_ref)` when `ty` is written `Run` or `&Run`, alone or as `idem::Run` (or
-/// `idem_core::Run`). `workflow::Run` is another crate's type, and an input.
-fn run_type(ty: &Type) -> Option<bool> {
-    let (ty, by_ref) = match ty {
-        Type::Reference(r) if r.mutability.is_none() => (&*r.elem, true),
-        other => (other, false),
+/// Whether `ty` is written `Run` or `&Run`, alone or as `idem::Run` (or
+/// `idem_core::Run`): the call's run. `workflow::Run` is another crate's type, and an
+/// input.
+fn is_run_type(ty: &Type) -> bool {
+    let ty = match ty {
+        Type::Reference(r) if r.mutability.is_none() => &*r.elem,
+        other => other,
     };
-    let Type::Path(p) = ty else { return None };
+    let Type::Path(p) = ty else { return false };
     if p.qself.is_some() {
-        return None;
+        return false;
     }
     let segments: Vec<&syn::PathSegment> = p.path.segments.iter().collect();
-    let (last, before) = segments.split_last()?;
+    let Some((last, before)) = segments.split_last() else {
+        return false;
+    };
     let ours = match before {
         [] => true,
         [.., krate] => krate.ident == "idem" || krate.ident == "idem_core",
     };
-    (ours && last.ident == "Run" && last.arguments.is_none()).then_some(by_ref)
+    ours && last.ident == "Run" && last.arguments.is_none()
 }
 
 /// Whether a path segment names a hash set (`HashSet`, and aliases such as
