@@ -566,10 +566,7 @@ fn threads() -> usize {
 
 #[test]
 fn failing_calls_from_sync_tools_do_not_start_a_thread_each() {
-    let store = Arc::new(FailingComplete::new(
-        Arc::new(MemoryStore::new()),
-        usize::MAX,
-    ));
+    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), usize::MAX));
     store.claim_failures.store(usize::MAX, Ordering::SeqCst);
     let run = Run::new("many-failures").with_shared_store(store);
     let ran = Ran::default();
@@ -656,15 +653,15 @@ async fn a_result_that_cannot_be_read_back_is_refused_at_the_first_call_and_neve
 /// A real store whose `complete` fails the first `failures` times, as a store does that
 /// goes away (or fills its disk) between the claim and the completion; and whose
 /// `claim` fails the first `claim_failures` times.
-struct FailingComplete {
+struct Faulty {
     inner: Arc<dyn Store>,
     failures: AtomicUsize,
     claim_failures: AtomicUsize,
 }
 
-impl FailingComplete {
+impl Faulty {
     fn new(inner: Arc<dyn Store>, failures: usize) -> Self {
-        FailingComplete {
+        Faulty {
             inner,
             failures: AtomicUsize::new(failures),
             claim_failures: AtomicUsize::new(0),
@@ -679,7 +676,7 @@ fn take_one(left: &AtomicUsize) -> bool {
 }
 
 #[async_trait::async_trait]
-impl Store for FailingComplete {
+impl Store for Faulty {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         if take_one(&self.claim_failures) {
             return Err(Error::store("failing", "connection reset"));
@@ -737,7 +734,7 @@ async fn a_store_failing_after_the_body_ran_gives_the_bodys_value_and_records_it
     for (name, inner) in stores(dir.path()).await {
         // Fails once, then takes the outcome: the background records it, and a retry
         // replays it.
-        let store = Arc::new(FailingComplete::new(inner.clone(), 1));
+        let store = Arc::new(Faulty::new(inner.clone(), 1));
         let run = Run::new(unique("late")).with_shared_store(store.clone());
         let ran = Ran::default();
         let first = run.scope(send_receipt("ada".into(), &ran)).await;
@@ -756,7 +753,7 @@ async fn a_store_failing_after_the_body_ran_gives_the_bodys_value_and_records_it
 async fn a_store_that_never_takes_the_outcome_leaves_the_retry_to_the_delivery_policy() {
     let dir = tempfile::tempdir().unwrap();
     for (name, inner) in stores(dir.path()).await {
-        let store = Arc::new(FailingComplete::new(inner, usize::MAX));
+        let store = Arc::new(Faulty::new(inner, usize::MAX));
         let run = Run::new(unique("never")).with_shared_store(store.clone());
 
         // At-least-once: the caller has its value; a retry after the lease runs again.
@@ -799,7 +796,7 @@ fn a_sync_tool_whose_store_fails_after_the_body_gets_its_value_and_the_retry_rep
 }
 
 fn sync_late_record_is_replayed(context: &str) {
-    let store = Arc::new(FailingComplete::new(Arc::new(MemoryStore::new()), 1));
+    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), 1));
     let run = Run::new(unique("sync-late")).with_shared_store(store);
     let ran = Ran::default();
     let first = run.sync_scope(|| send_receipt_sync("ada".into(), &ran));
@@ -818,7 +815,7 @@ fn sync_late_record_is_replayed(context: &str) {
 #[test]
 fn a_claim_the_store_fails_outside_a_runtime_is_an_error_at_once() {
     // The claim's late release (in case it landed after all) never holds the caller.
-    let store = Arc::new(FailingComplete::new(Arc::new(MemoryStore::new()), 0));
+    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), 0));
     store.claim_failures.store(1, Ordering::SeqCst);
     let run = Run::new("claim-fails").with_shared_store(store);
     let ran = Ran::default();

@@ -1131,11 +1131,7 @@ where
         }
     };
     let failed = result.is_err();
-    let outcome = if failed {
-        Outcome::Failed(&bytes)
-    } else {
-        Outcome::Completed(&bytes)
-    };
+    let outcome = outcome(&bytes, failed);
     // Armed while the completion is out: dropped there, the claim is settled (fenced: a
     // no-op if the completion landed).
     let completed = store
@@ -1161,6 +1157,15 @@ where
             record_late(call, Arc::clone(store), guard.0.token, bytes, failed);
             Ok(R::from_result(result))
         }
+    }
+}
+
+/// A body's stored outcome: its result, or (`failed`) its cached error.
+fn outcome(bytes: &[u8], failed: bool) -> Outcome<'_> {
+    if failed {
+        Outcome::Failed(bytes)
+    } else {
+        Outcome::Completed(bytes)
     }
 }
 
@@ -1223,12 +1228,10 @@ fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>,
     let late = async move {
         for delay in RECORD_AGAIN {
             crate::timer::sleep_until(std::time::Instant::now() + delay).await;
-            let outcome = if failed {
-                Outcome::Failed(&bytes)
-            } else {
-                Outcome::Completed(&bytes)
-            };
-            match store.complete(&key, token, outcome, options.ttl).await {
+            match store
+                .complete(&key, token, outcome(&bytes, failed), options.ttl)
+                .await
+            {
                 Ok(Fenced::Applied) => {
                     tracing::info!(%tool, %key, "idem: an outcome the store failed to take is now recorded");
                     wait::notify(&key);
