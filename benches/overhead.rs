@@ -66,11 +66,11 @@ fn key_derivation(c: &mut Criterion) {
         });
         group.bench_with_input(BenchmarkId::new("idem", label), &input, |b, input| {
             b.iter(|| {
-                idem::Call::from_args(
+                idem::__private_0_1_0::Call::from_args(
                     Some(&run),
                     "send_email",
                     idem::Options::new(),
-                    &[black_box(input) as &dyn idem::key::KeyInput],
+                    &[black_box(input) as &dyn idem::__private_0_1_0::KeyInput],
                     None,
                 )
                 .unwrap()

@@ -144,11 +144,11 @@ fn main() {
     let (derive, floor) = rt.block_on(compare(
         n,
         |_| async {
-            let call = idem::Call::from_args(
+            let call = idem::__private_0_1_0::Call::from_args(
                 Some(&run),
                 "send_email",
                 idem::Options::new(),
-                &[&input as &dyn idem::key::KeyInput],
+                &[&input as &dyn idem::__private_0_1_0::KeyInput],
                 None,
             );
             std::hint::black_box(call.unwrap());
@@ -164,7 +164,7 @@ fn main() {
     );
     // The digest alone: the key parts and the input's canonical JSON, hashed in one
     // pass. What key derivation adds to it is the key's text and the call itself.
-    let parts = idem::key::KeyParts {
+    let parts = idem::store::KeyParts {
         tenant: None,
         run_id: "bench",
         call_id: None,
@@ -173,8 +173,8 @@ fn main() {
     let (alone, floor) = rt.block_on(compare(
         n,
         |_| async {
-            let args = [&input as &dyn idem::key::KeyInput];
-            std::hint::black_box(idem::Fingerprint::of_args(&parts, &args).unwrap());
+            let args = [&input as &dyn idem::__private_0_1_0::KeyInput];
+            std::hint::black_box(idem::store::Fingerprint::of_args(&parts, &args).unwrap());
         },
         |_| async {
             std::hint::black_box(floor_key(&input));
@@ -189,7 +189,7 @@ fn main() {
         let blob = "x".repeat(size);
         let m = (2_000_000 / size).clamp(5, 20_000);
         let d = median(m, |_| {
-            std::hint::black_box(idem::Fingerprint::of(&parts, &blob).unwrap());
+            std::hint::black_box(idem::store::Fingerprint::of(&parts, &blob).unwrap());
         });
         t.row(&format!("fingerprint of a {label} input"), d, None);
     }

@@ -20,9 +20,8 @@ mod scenario;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use idem::record::Token;
-use idem::store::{Claim, ClaimRequest, Fenced, Outcome};
-use idem::{Fingerprint, Key, MemoryStore, Run, Store};
+use idem::store::{Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Token};
+use idem::{Key, MemoryStore, Run, Store};
 use scenario::{email, message_id, send_email, BODY};
 
 #[derive(Parser)]

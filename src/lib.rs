@@ -45,12 +45,10 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-#[cfg(feature = "testing")]
-pub use idem_core::testing;
+pub use idem_core::sweeper;
 pub use idem_core::{
-    current_key, default_store, default_store_dir, key, options, protocol, record,
-    set_default_store, store, sweeper, Call, Delivery, Error, Fingerprint, Key, LocalCache,
-    MemoryStore, OnBusy, Options, Record, Run, State, Store,
+    current_key, default_store, default_store_dir, set_default_store, Delivery, Error, Key,
+    LocalCache, MemoryStore, OnBusy, Options, Run, Store,
 };
 #[cfg(feature = "postgres")]
 pub use idem_core::{PostgresStore, PostgresStoreBuilder};
@@ -60,16 +58,29 @@ pub use idem_core::{RedisStore, RedisStoreBuilder};
 pub use idem_core::{SledStore, SledStoreBuilder};
 pub use idem_macros::idempotent;
 
+/// For authors of stores: the [`Store`] trait and its contract, the claim rule, records,
+/// and (feature `testing`) the conformance suite every store must pass.
+pub mod store {
+    pub use idem_core::store::*;
+    #[cfg(feature = "testing")]
+    pub use idem_core::testing;
+}
+
+/// Helpers for a tool's own input types.
+pub mod key {
+    pub use idem_core::input::{sorted, Sorted};
+}
+
 /// What generated code calls. Not public API: may change in any release. Its name
 /// carries the version, which `idem-macros` writes into the code it generates, so an
 /// `idem-macros` of another version fails to compile instead of misbehaving (rename it
 /// with the version: every attribute test fails until then).
 #[doc(hidden)]
 pub mod __private_0_1_0 {
-    pub use idem_core::key::{default_tool_name, Sorted};
-    pub use idem_core::protocol::{
-        execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Call, KeyInput,
-        ReleaseErrors, RunArgument, RunSource, ToolOutput,
+    pub use idem_core::__private::{
+        default_tool_name, execute, execute_blocking, execute_finishing, from_idem_error,
+        CacheErrors, Call, KeyInput, ReleaseErrors, Replayable, RunArgument, RunSource, Sorted,
+        ToolOutput,
     };
     pub use idem_core::Options;
 }

@@ -21,7 +21,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
-use idem::{idempotent, Error, Key, MemoryStore, Run, State, Store};
+use idem::store::State;
+use idem::{idempotent, Error, Key, MemoryStore, Run, Store};
 
 const TASKS: u64 = 24;
 const CALLS_PER_TASK: u64 = 20;

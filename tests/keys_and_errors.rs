@@ -8,9 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::record::Token;
-use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
-use idem::{idempotent, Error, Key, LocalCache, MemoryStore, Record, Run, SledStore};
+use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Record, Store, Token};
+use idem::{idempotent, Error, Key, LocalCache, MemoryStore, Run, SledStore};
 use serde::{Deserialize, Serialize};
 
 /// Counts how often a body really ran.
@@ -420,18 +419,16 @@ async fn the_largest_ttl_works_on_every_store() {
         assert_eq!(run.scope(keep_for_a_century(1, &ran)).await.unwrap(), 1);
         assert_eq!(ran.get(), 1, "{name}: replayed");
 
-        // Longer in code than the attribute takes: cut to the same 100 years.
-        let call = idem::Call::new(
+        // Longer in code than the attribute takes (through the code it generates):
+        // cut to the same 100 years.
+        use idem::__private_0_1_0::{execute, Call, ReleaseErrors};
+        let call = Call::new(
             Some(&run),
             "forever",
             idem::Options::new().ttl(Duration::MAX),
             &1,
         );
-        let got = idem::protocol::execute::<Result<u32, Error>, idem::protocol::ReleaseErrors, _>(
-            call,
-            async { Ok(9) },
-        )
-        .await;
+        let got = execute::<Result<u32, Error>, ReleaseErrors, _>(call, async { Ok(9) }).await;
         assert_eq!(got.unwrap().unwrap(), 9, "{name}");
     }
 }

@@ -632,7 +632,7 @@ impl idem::Store for Slow {
     async fn complete(
         &self,
         key: &idem::Key,
-        token: idem::record::Token,
+        token: idem::store::Token,
         outcome: idem::store::Outcome<'_>,
         ttl: Duration,
     ) -> Result<idem::store::Fenced, Error> {
@@ -641,7 +641,7 @@ impl idem::Store for Slow {
     async fn release(
         &self,
         key: &idem::Key,
-        token: idem::record::Token,
+        token: idem::store::Token,
     ) -> Result<idem::store::Fenced, Error> {
         tokio::time::sleep(self.release_delay).await;
         self.inner.release(key, token).await
@@ -649,7 +649,7 @@ impl idem::Store for Slow {
     async fn renew(
         &self,
         key: &idem::Key,
-        token: idem::record::Token,
+        token: idem::store::Token,
         lease: Duration,
         ttl: Duration,
     ) -> Result<idem::store::Fenced, Error> {
@@ -658,7 +658,7 @@ impl idem::Store for Slow {
         }
         self.inner.renew(key, token, lease, ttl).await
     }
-    async fn get(&self, key: &idem::Key) -> Result<Option<idem::Record>, Error> {
+    async fn get(&self, key: &idem::Key) -> Result<Option<idem::store::Record>, Error> {
         self.inner.get(key).await
     }
     async fn delete(&self, key: &idem::Key) -> Result<bool, Error> {

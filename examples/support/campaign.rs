@@ -30,9 +30,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use idem::record::Token;
-use idem::store::{Claim, ClaimRequest, Fenced, Outcome};
-use idem::{idempotent, Error, Key, Record, Run, Store};
+use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Record, Token};
+use idem::{idempotent, Error, Key, Run, Store};
 use serde::{Deserialize, Serialize};
 
 /// The environment variable that makes a process a campaign worker (its value: the

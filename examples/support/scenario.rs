@@ -81,23 +81,23 @@ pub async fn send_email_owned(run: &Run, input: SendEmail) -> Result<MessageId, 
 /// (written directly, for speed), expiring after `ttl`.
 pub fn filled_store(dir: &std::path::Path, records: u64, ttl: std::time::Duration) -> SledStore {
     let result = serde_json::to_vec(&message_id()).unwrap();
-    let now = idem::record::Timestamp::now();
+    let now = idem::store::Timestamp::now();
     let run = Run::new("bench-size").with_store(MemoryStore::new());
     {
         let db = sled::open(dir).unwrap();
         fill(&db.open_tree(SledStore::TREE).unwrap(), records, |i| {
-            let call = idem::Call::new(
+            let call = idem::__private_0_1_0::Call::new(
                 Some(&run),
                 "send_email",
                 idem::Options::new(),
                 &[&email(i, BODY)],
             )
             .unwrap();
-            let record = idem::Record {
+            let record = idem::store::Record {
                 fingerprint: *call.fingerprint(),
                 created_at: now,
                 expires_at: now.after(ttl),
-                state: idem::State::Completed {
+                state: idem::store::State::Completed {
                     result: result.clone(),
                 },
             };
@@ -294,7 +294,7 @@ pub async fn redis_run(url: &str, prefix: &str, local_cache: bool) -> Run {
 /// placements by up to 80 µs.
 #[cfg(feature = "postgres")]
 pub struct PostgresFloor {
-    pool: idem::store::postgres::deadpool_postgres::Pool,
+    pool: deadpool_postgres::Pool,
     table: String,
     select: String,
     insert: String,

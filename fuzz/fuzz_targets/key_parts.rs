@@ -4,7 +4,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use idem_core::key::{Key, KeyParts};
+use idem_core::store::{Key, KeyParts};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug, PartialEq)]

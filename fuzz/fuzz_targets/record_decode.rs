@@ -2,7 +2,7 @@
 //! same bytes.
 #![no_main]
 
-use idem_core::record::Record;
+use idem_core::store::Record;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

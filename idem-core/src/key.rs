@@ -164,7 +164,7 @@ pub fn default_tool_name(closure_type_name: &'static str) -> &'static str {
 }
 
 /// Keys a set-like collection as a set: its elements in the order of their canonical
-/// JSON (see the module docs), so the same set serializes alike in every process. The
+/// JSON (the JSON the key is derived from, with maps sorted by key), so the same set serializes alike in every process. The
 /// elements need only `Serialize`, not `Ord`.
 ///
 /// A `HashSet` serializes in hash order, which differs from process to process (its
@@ -215,7 +215,7 @@ where
     note = "derive `Serialize` for it, or, if it is context (a client, a connection) rather than input, list it in `skip = [...]`"
 )]
 pub trait KeyInput {
-    /// Appends the canonical JSON of `self` to `out` (see [`crate::key`]).
+    /// Appends the canonical JSON of `self` to `out` (maps sorted by key, at every depth).
     fn write_canonical(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error>;
 }
 

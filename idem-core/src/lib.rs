@@ -4,14 +4,14 @@
 //! Most users depend on the `idem` crate and write `#[idempotent]`; this crate is what
 //! the attribute calls, and what a custom store implements. Where to find things:
 //!
-//! | concept | module |
+//! | concept | where |
 //! |---|---|
-//! | key derivation, canonical input, fingerprint | [`key`] |
-//! | records and their encoding | [`record`] |
+//! | key derivation, canonical input, fingerprint | `key.rs`, `canonical.rs` ([`Key`], [`store::Fingerprint`]) |
+//! | records and their encoding | `record.rs` ([`store::Record`]) |
 //! | the `Store` trait and the claim rule | [`store`] |
-//! | the protocol (claim → run → complete / release) | [`protocol`] |
-//! | per-tool options (TTL, lease, waiting, delivery) | [`options`] |
-//! | the run context, `current_key`, the default store | [`run`] |
+//! | the protocol (claim → run → complete / release) | `protocol.rs` (private; the attribute's way in) |
+//! | per-tool options (TTL, lease, waiting, delivery) | [`Options`] |
+//! | the run context, `current_key`, the default store | [`Run`], [`current_key`], [`default_store`] |
 //! | the stores | [`MemoryStore`], [`SledStore`], `PostgresStore` (feature `postgres`), `RedisStore` (feature `redis`) |
 //! | replaying this process's results from memory, in front of a shared store | [`LocalCache`] |
 //! | removing expired records in the background | [`sweeper`] |
@@ -33,12 +33,12 @@ mod blocking;
 mod canonical;
 mod error;
 mod heartbeat;
-pub mod key;
+mod key;
 mod key_text;
-pub mod options;
-pub mod protocol;
-pub mod record;
-pub mod run;
+mod options;
+mod protocol;
+mod record;
+mod run;
 pub mod store;
 pub mod sweeper;
 mod sync;
@@ -47,14 +47,14 @@ pub mod testing;
 mod timer;
 mod wait;
 
+/// Helpers for a tool's own input types.
+pub mod input {
+    pub use crate::key::{sorted, Sorted};
+}
+
 pub use error::Error;
-pub use key::{Fingerprint, Key, KeyParts};
+pub use key_text::Key;
 pub use options::{Delivery, OnBusy, Options};
-pub use protocol::{
-    execute, execute_blocking, execute_finishing, CacheErrors, Call, ErrorPolicy, KeyInput,
-    ReleaseErrors, Replayable, RunSource, ToolOutput,
-};
-pub use record::{Record, State, Timestamp, Token};
 pub use run::{current_key, default_store, default_store_dir, set_default_store, Run};
 pub use store::local_cache::LocalCache;
 pub use store::memory::MemoryStore;
@@ -65,3 +65,15 @@ pub use store::redis::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sled")]
 pub use store::sled::{SledStore, SledStoreBuilder};
 pub use store::Store;
+
+/// What the `#[idempotent]` attribute's code calls, through the `idem` facade. Not
+/// public API: it may change in any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::key::{default_tool_name, KeyInput, Sorted};
+    pub use crate::protocol::{
+        execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Call,
+        ErrorCodec, ErrorPolicy, FinishesAlone, ReleaseErrors, Replayable, RunArgument, RunSource,
+        ToolOutput,
+    };
+}

@@ -1,11 +1,14 @@
 //! The protocol: claim → run → complete (or release), and every answer in between.
 //!
-//! The `#[idempotent]` attribute turns a tool function into a call of [`execute`] (async
-//! tools) or [`execute_blocking`] (sync tools); both can be called by hand too:
+//! The `#[idempotent]` attribute turns a tool function into a call of [`execute`],
+//! [`execute_finishing`] (async tools) or [`execute_blocking`] (sync tools). None of
+//! this is public API (the attribute reaches it through a hidden module); in substance
+//! the generated code does this:
 //!
 //! ```
 //! # async fn demo() -> Result<(), idem_core::Error> {
-//! use idem_core::{execute, Call, MemoryStore, Options, ReleaseErrors, Run};
+//! use idem_core::__private::{execute, Call, ReleaseErrors};
+//! use idem_core::{MemoryStore, Options, Run};
 //!
 //! let run = Run::new("run-1").with_store(MemoryStore::new());
 //! let to = "ada@example.com";
@@ -59,12 +62,13 @@ use crate::background;
 use crate::error::Human;
 use crate::heartbeat::{self, Beat, Lease, Ran};
 pub use crate::key::KeyInput;
+use crate::key::{Fingerprint, KeyParts};
 use crate::options::{Delivery, Options};
 use crate::record::{Timestamp, Token};
 use crate::run::CURRENT_KEY;
 use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
 use crate::wait::{self, AsyncPause, BlockingPause, Pause};
-use crate::{Error, Fingerprint, Key, KeyParts, Run};
+use crate::{Error, Key, Run};
 
 /// The argument the attribute takes for the call's run: an argument whose type is
 /// written `Run` or `&Run` (or `idem::Run`). A type of another crate named `Run` is
@@ -174,16 +178,21 @@ impl<T: Serialize + DeserializeOwned> Replayable for T {}
 
 /// What happens to a call that returned `Err`: see [`ReleaseErrors`] and [`CacheErrors`].
 pub trait ErrorPolicy<E> {
-    /// Whether errors are stored and replayed.
-    const CACHES: bool;
+    /// How errors are stored and replayed; `None` for a policy that stores none.
+    const STORED: Option<ErrorCodec<E>>;
+}
+
+/// How an [`ErrorPolicy`] that caches errors stores them: plain functions, so the
+/// protocol's code is shared by every tool, not copied into each.
+pub struct ErrorCodec<E> {
     /// Serializes an error for storage.
-    fn encode(key: &Key, error: &E) -> Result<Vec<u8>, Error>;
+    pub encode: fn(&E) -> Result<Vec<u8>, serde_json::Error>,
     /// Deserializes a stored error.
-    fn decode(key: &Key, bytes: &[u8]) -> Result<E, Error>;
-    /// Checks, before an error is stored, that its bytes read back as the same error:
-    /// they deserialize, and serialize again to the same JSON (up to the order of
+    pub decode: fn(&[u8]) -> Result<E, serde_json::Error>,
+    /// Checks, before an error is stored, that its bytes read back as the same error
+    /// (they deserialize, and serialize again to the same JSON up to the order of
     /// sequence elements).
-    fn read_back(bytes: &[u8]) -> Result<(), serde_json::Error>;
+    pub reads_back: fn(&[u8]) -> Result<(), serde_json::Error>,
 }
 
 /// The default error policy: an `Err` releases the claim, so a retry runs again.
@@ -191,22 +200,7 @@ pub trait ErrorPolicy<E> {
 pub struct ReleaseErrors;
 
 impl<E> ErrorPolicy<E> for ReleaseErrors {
-    const CACHES: bool = false;
-    fn encode(key: &Key, _: &E) -> Result<Vec<u8>, Error> {
-        Err(Error::Output {
-            key: key.clone(),
-            source: serde::ser::Error::custom("errors are not cached by this tool"),
-        })
-    }
-    fn decode(key: &Key, _: &[u8]) -> Result<E, Error> {
-        Err(Error::StoredResult {
-            key: key.clone(),
-            source: serde::de::Error::custom("errors are not cached by this tool"),
-        })
-    }
-    fn read_back(_: &[u8]) -> Result<(), serde_json::Error> {
-        Ok(())
-    }
+    const STORED: Option<ErrorCodec<E>> = None;
 }
 
 /// Opt-in error policy: an `Err` is stored like a result and replayed to retries until
@@ -216,22 +210,15 @@ impl<E> ErrorPolicy<E> for ReleaseErrors {
 pub struct CacheErrors;
 
 impl<E: Replayable> ErrorPolicy<E> for CacheErrors {
-    const CACHES: bool = true;
-    fn encode(key: &Key, error: &E) -> Result<Vec<u8>, Error> {
-        serde_json::to_vec(error).map_err(|source| Error::Output {
-            key: key.clone(),
-            source,
-        })
-    }
-    fn decode(key: &Key, bytes: &[u8]) -> Result<E, Error> {
-        serde_json::from_slice(bytes).map_err(|source| Error::StoredResult {
-            key: key.clone(),
-            source,
-        })
-    }
-    fn read_back(bytes: &[u8]) -> Result<(), serde_json::Error> {
-        reads_back_the_same::<E>(bytes)
-    }
+    const STORED: Option<ErrorCodec<E>> = Some(ErrorCodec {
+        encode: serde_json::to_vec::<E>,
+        decode: from_json::<E>,
+        reads_back: reads_back_the_same::<E>,
+    });
+}
+
+fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_json::Error> {
+    serde_json::from_slice(bytes)
 }
 
 /// Whether `bytes`, the JSON of a value of type `T`, read back as that value: they
@@ -400,6 +387,12 @@ impl Call {
     }
 }
 
+// The per-tool part. What follows `execute`, `execute_finishing` and `execute_blocking`
+// is generic over the tool (its output `R`, its error policy `C`, its body) only where
+// it must be: decoding a stored outcome, serializing a new one, and polling the body.
+// The rest (the claim, the wait, the heartbeat's stop, recording and settling) is
+// shared code that every tool calls, compiled once.
+
 /// Runs an async operation at most once per key (see the module docs). If the caller
 /// stops waiting (drops this future) while the operation runs, the operation is dropped
 /// with it and its claim is settled at once by the delivery policy: released
@@ -419,7 +412,12 @@ where
         Acquisition::Replay(output) => return Ok(output),
         Acquisition::Owner(owner) => owner,
     };
-    own::<R, C, _>(&call, &owner, operation).await
+    let mut output = None;
+    let owned = {
+        let body = std::pin::pin!(Some(body::<R, C, _>(&call.key, operation, &mut output)));
+        own(&call, &owner, body).await
+    };
+    owned.and_then(|()| ran(output))
 }
 
 /// [`execute`] for an operation that can run on its own (`Send + 'static`): if the
@@ -451,7 +449,7 @@ where
         Acquisition::Owner(owner) => owner,
     };
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return own::<R, C, _>(&call, &owner, operation()).await;
+        return execute_owned::<R, C, _>(call, owner, operation()).await;
     };
     let key = call.key.clone();
     let ambient = Run::current();
@@ -459,7 +457,7 @@ where
     // The owner's part is made inside its box, on first poll: not built on the stack
     // and copied in (it is large, and a miss pays for every copy).
     let life: Life<R> = Box::pin(async move {
-        crate::run::in_scope(ambient, own::<R, C, _>(&call, &owner, operation)).await
+        crate::run::in_scope(ambient, execute_owned::<R, C, _>(call, owner, operation)).await
     });
     Finishing {
         life: Some(life.instrument(tracing::Span::current())),
@@ -467,6 +465,21 @@ where
         runtime,
     }
     .await
+}
+
+/// The owner's part of [`execute_finishing`], owning all it needs.
+async fn execute_owned<R, C, Fut>(call: Call, owner: Owner, operation: Fut) -> Result<R, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    Fut: Future<Output = R>,
+{
+    let mut output = None;
+    let owned = {
+        let body = std::pin::pin!(Some(body::<R, C, _>(&call.key, operation, &mut output)));
+        own(&call, &owner, body).await
+    };
+    owned.and_then(|()| ran(output))
 }
 
 /// A body that can go on in a task of its own after its caller stops waiting: `Send`
@@ -490,7 +503,8 @@ struct Finishing<R: Send + 'static> {
     runtime: tokio::runtime::Handle,
 }
 
-/// The owner's part of a call ([`own`]), boxed so it can move to a task of its own.
+/// The owner's part of a call ([`execute_owned`]), boxed so it can move to a task of
+/// its own.
 type Life<R> = Pin<Box<dyn Future<Output = Result<R, Error>> + Send>>;
 
 impl<R: Send + 'static> Future for Finishing<R> {
@@ -521,17 +535,28 @@ impl<R: Send + 'static> Drop for Finishing<R> {
         let Some(life) = self.life.take() else {
             return;
         };
-        let key = self.key.clone();
-        tracing::debug!(%key, "idem: the caller stopped waiting; the body runs on and its outcome will answer the retry");
-        // A runtime shutting down drops the task, and with it the body: its claim is
-        // then settled as `execute` settles it.
-        drop(self.runtime.spawn(async move {
-            match life.await {
-                Ok(_) => tracing::debug!(%key, "idem: a body whose caller stopped waiting finished; its outcome is recorded"),
-                Err(error) => tracing::warn!(%key, %error, "idem: a body whose caller stopped waiting ended with an error"),
-            }
-        }));
+        // The tool's output type goes here, so the task is the same for every tool.
+        let life = Box::pin(async move { life.await.map(drop) });
+        finish_alone(life, self.key.clone(), &self.runtime);
     }
+}
+
+/// Finishes, in a task of its own, the owner's part of a call whose caller stopped
+/// waiting.
+fn finish_alone(
+    life: Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>,
+    key: Key,
+    runtime: &tokio::runtime::Handle,
+) {
+    tracing::debug!(%key, "idem: the caller stopped waiting; the body runs on and its outcome will answer the retry");
+    // A runtime shutting down drops the task, and with it the body: its claim is
+    // then settled as `execute` settles it.
+    drop(runtime.spawn(async move {
+        match life.await {
+            Ok(()) => tracing::debug!(%key, "idem: a body whose caller stopped waiting finished; its outcome is recorded"),
+            Err(error) => tracing::warn!(%key, %error, "idem: a body whose caller stopped waiting ended with an error"),
+        }
+    }));
 }
 
 /// Runs a blocking operation at most once per key: [`execute`] for sync tools. Its claim
@@ -553,22 +578,160 @@ where
 {
     let call = call?;
     let _blocking = crate::blocking::InSyncTool::enter();
-    pollster::block_on(async {
-        let owner = match acquire::<R, C, BlockingPause>(&call).await? {
-            Acquisition::Replay(output) => return Ok(output),
-            Acquisition::Owner(owner) => owner,
-        };
-        let guard = Settle::new(&call, &owner);
-        let beat = Beat::start(&owner.lease(&call));
-        let output = panic::catch_unwind(AssertUnwindSafe(|| {
-            CURRENT_KEY.sync_scope(call.key.clone(), operation)
-        }));
-        drop(beat);
-        match output {
-            Ok(output) => finish::<R, C>(&call, guard, output).await,
-            Err(panic) => guard.panicked(panic).await,
-        }
+    let owner = match pollster::block_on(acquire::<R, C, BlockingPause>(&call))? {
+        Acquisition::Replay(output) => return Ok(output),
+        Acquisition::Owner(owner) => owner,
+    };
+    let mut output = None;
+    let mut operation = Some(operation);
+    let key = &call.key;
+    own_blocking(&call, &owner, &mut || {
+        let result = operation.take().map(|operation| operation().into_result());
+        result.map(|result| prepare::<R, C>(key, result, &mut output))
     })
+    .and_then(|()| ran(output))
+}
+
+/// The tool's body, made ready for the shared code: runs `operation`, leaves its output
+/// in `output`, and says what the store is to record.
+async fn body<R, C, Fut>(key: &Key, operation: Fut, output: &mut Option<R>) -> Prepared
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    Fut: Future<Output = R>,
+{
+    let result = operation.await.into_result();
+    prepare::<R, C>(key, result, output)
+}
+
+/// What the store is to record of a body's `result`, which is left in `output`.
+fn prepare<R, C>(key: &Key, result: Result<R::Ok, R::Err>, output: &mut Option<R>) -> Prepared
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+{
+    let prepared = match (&result, C::STORED) {
+        (Ok(value), _) => Prepared::record(
+            key,
+            serde_json::to_vec(value),
+            false,
+            reads_back_the_same::<R::Ok>,
+        ),
+        (Err(error), Some(codec)) => {
+            Prepared::record(key, (codec.encode)(error), true, codec.reads_back)
+        }
+        (Err(_), None) => Prepared::Release,
+    };
+    *output = Some(R::from_result(result));
+    prepared
+}
+
+/// The output an owner's body left, once its outcome is settled.
+fn ran<R>(output: Option<R>) -> Result<R, Error> {
+    output.ok_or_else(|| Error::store("idem", "the body ended without an output"))
+}
+
+/// A stored outcome, decoded for replay: the tool's result, or (`failed`) its cached
+/// error.
+fn decode<R, C>(key: &Key, bytes: &[u8], failed: bool) -> Result<R, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+{
+    let decoded = match (failed, C::STORED) {
+        (false, _) => serde_json::from_slice::<R::Ok>(bytes).map(Ok),
+        (true, Some(codec)) => (codec.decode)(bytes).map(Err),
+        (true, None) => Err(serde::de::Error::custom(
+            "the store answered with a cached error for a tool that caches none",
+        )),
+    };
+    decoded
+        .map(R::from_result)
+        .map_err(|source| Error::StoredResult {
+            key: key.clone(),
+            source,
+        })
+}
+
+/// Acquires the call's key for a tool whose output is `R`: decodes a stored outcome to
+/// replay, or claims the key (see [`claim`]).
+async fn acquire<R, C, P>(call: &Call) -> Result<Acquisition<R>, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    P: Pause,
+{
+    let store = call.run.store_ref()?;
+    if let Some(replayed) = hit::<R, C>(call, &**store) {
+        return replayed.map(Acquisition::Replay);
+    }
+    match claim::<P>(call, store, C::STORED.is_some()).await? {
+        Claimed::Owner(owner) => Ok(Acquisition::Owner(owner)),
+        Claimed::Stored { bytes, failed } => {
+            decode::<R, C>(&call.key, &bytes, failed).map(Acquisition::Replay)
+        }
+    }
+}
+
+/// The hit path: a store that can tell at once that the key completed for this input
+/// answers without a claim, lending the stored result to the decoder.
+fn hit<R, C>(call: &Call, store: &dyn Store) -> Option<Result<R, Error>>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+{
+    let mut hit = None;
+    store.with_completed_result(&call.key, &call.fingerprint, &mut |bytes| {
+        hit = Some(decode::<R, C>(&call.key, bytes, false));
+    });
+    if hit.is_some() {
+        tracing::debug!(tool = %call.tool, key = %call.key, "idem: hit, replaying stored result");
+    }
+    hit
+}
+
+/// What an acquired key gives the caller: the stored outcome, or the claim.
+enum Acquisition<R> {
+    Replay(R),
+    Owner(Owner),
+}
+
+// The shared part, compiled once.
+
+/// What the store is to record of a body that ran to its end.
+enum Prepared {
+    /// Its result, or (`failed`) its error under an error policy that caches errors;
+    /// stored once `reads_back` accepts the bytes.
+    Record {
+        bytes: Vec<u8>,
+        failed: bool,
+        reads_back: fn(&[u8]) -> Result<(), serde_json::Error>,
+    },
+    /// Its error, not cached: the claim is released.
+    Release,
+    /// Its outcome, which did not serialize.
+    Unstorable(Error),
+}
+
+impl Prepared {
+    fn record(
+        key: &Key,
+        bytes: Result<Vec<u8>, serde_json::Error>,
+        failed: bool,
+        reads_back: fn(&[u8]) -> Result<(), serde_json::Error>,
+    ) -> Prepared {
+        match bytes {
+            Ok(bytes) => Prepared::Record {
+                bytes,
+                failed,
+                reads_back,
+            },
+            Err(source) => Prepared::Unstorable(Error::Output {
+                key: key.clone(),
+                source,
+            }),
+        }
+    }
 }
 
 /// The claim this call acquired.
@@ -589,68 +752,45 @@ impl Owner {
     }
 }
 
-/// What an acquired key gives the caller: the stored outcome, or the claim.
-enum Acquisition<R> {
-    Replay(R),
-    Owner(Owner),
-}
-
 /// First wait between polls of a key held in another process; doubles up to the cap.
 const POLL_START: Duration = Duration::from_millis(5);
 const POLL_CAP: Duration = Duration::from_millis(100);
 /// How long a call waits for another's claim before it says so at `info`.
 const NOTICEABLE_WAIT: Duration = Duration::from_secs(1);
 
-/// Acquires the call's key: replays a stored outcome, or claims the key (waiting for a
-/// concurrent duplicate as the options say).
-async fn acquire<R, C, P>(call: &Call) -> Result<Acquisition<R>, Error>
-where
-    R: ToolOutput,
-    C: ErrorPolicy<R::Err>,
-    P: Pause,
-{
-    let store = call.run.store_ref()?;
-    if let Some(replayed) = replay_without_claim::<R>(call, &**store) {
-        return replayed;
-    }
+/// What a decided claim gives the call: the key, or a stored outcome to decode.
+enum Claimed {
+    Owner(Owner),
+    Stored { bytes: Vec<u8>, failed: bool },
+}
+
+/// Claims the call's key until the claim is decided (see [`claim_loop`]);
+/// `caches_errors` says whether the tool's errors are stored and replayed.
+async fn claim<P: Pause>(
+    call: &Call,
+    store: std::borrow::Cow<'_, Arc<dyn Store>>,
+    caches_errors: bool,
+) -> Result<Claimed, Error> {
     let request = ClaimRequest {
         fingerprint: call.fingerprint,
         token: Token::generate()?,
         lease: call.options.lease,
         ttl: call.options.ttl,
         take_over_expired: call.options.delivery == Delivery::AtLeastOnce,
-        retry_failed: !C::CACHES,
+        retry_failed: !caches_errors,
     };
-    let acquired = claim_loop::<R, C, P>(call, &store, &request).await?;
-    Ok(match acquired {
-        Some(replayed) => Acquisition::Replay(replayed),
-        None => Acquisition::Owner(Owner {
+    Ok(match claim_loop::<P>(call, &store, &request).await? {
+        Some(stored) => stored,
+        None => Claimed::Owner(Owner {
             store: store.into_owned(),
             token: request.token,
         }),
     })
 }
 
-/// The hit path: a store that can tell at once that the key completed for this input
-/// answers without a claim.
-fn replay_without_claim<R: ToolOutput>(
-    call: &Call,
-    store: &dyn Store,
-) -> Option<Result<Acquisition<R>, Error>> {
-    let key = &call.key;
-    let mut hit = None;
-    store.with_completed_result(key, &call.fingerprint, &mut |bytes| {
-        hit = Some(replay::<R>(key, bytes));
-    });
-    if hit.is_some() {
-        tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
-    }
-    hit.map(|replayed| replayed.map(Acquisition::Replay))
-}
-
 /// Claims the key until the claim is decided: `Ok(None)` when this call owns it now,
-/// `Ok(Some(output))` to replay, or the error the claim found. A busy key is waited for
-/// ([`Waiting`]).
+/// `Ok(Some(stored))` to replay, or the error the claim found. A busy key is waited
+/// for ([`Waiting`]).
 ///
 /// A claim whose answer never came may still be applied, and must not leave the key
 /// held by nobody. No body ran under it, so it is released whatever the delivery
@@ -659,16 +799,11 @@ fn replay_without_claim<R: ToolOutput>(
 /// claim is out finishes the claim in the background, then releases it if it acquired
 /// the key; a claim the store gave up on (its timeout) is released then, and once more
 /// [`LATE_CLAIM`] later, by when a request still in flight has landed or failed.
-async fn claim_loop<R, C, P>(
+async fn claim_loop<P: Pause>(
     call: &Call,
     store: &Arc<dyn Store>,
     request: &ClaimRequest,
-) -> Result<Option<R>, Error>
-where
-    R: ToolOutput,
-    C: ErrorPolicy<R::Err>,
-    P: Pause,
-{
+) -> Result<Option<Claimed>, Error> {
     let key = &call.key;
     let mut waiting = Waiting::new(call);
     loop {
@@ -697,11 +832,17 @@ where
             }
             Claim::Completed(bytes) => {
                 tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored result");
-                return replay::<R>(key, &bytes).map(Some);
+                return Ok(Some(Claimed::Stored {
+                    bytes,
+                    failed: false,
+                }));
             }
             Claim::Failed(bytes) => {
                 tracing::debug!(tool = %call.tool, %key, "idem: hit, replaying stored error");
-                return C::decode(key, &bytes).map(|e| Some(R::from_result(Err(e))));
+                return Ok(Some(Claimed::Stored {
+                    bytes,
+                    failed: true,
+                }));
             }
             Claim::Mismatch => {
                 tracing::warn!(tool = %call.tool, %key, "idem: payload mismatch");
@@ -876,35 +1017,57 @@ impl<'a> Waiting<'a> {
     }
 }
 
-/// A stored result, decoded for replay.
-fn replay<R: ToolOutput>(key: &Key, bytes: &[u8]) -> Result<R, Error> {
-    serde_json::from_slice::<R::Ok>(bytes)
-        .map(|value| R::from_result(Ok(value)))
-        .map_err(|source| Error::StoredResult {
-            key: key.clone(),
-            source,
-        })
+/// A tool's body, in the slot its shim keeps it in: polled to its end by [`own`], or
+/// stopped (dropped where it stands) when it must not run on.
+type BodySlot<'a, F> = Pin<&'a mut Option<F>>;
+
+/// The owner's part: runs the body with its heartbeat, then records its outcome (see
+/// [`settle_run`]). Dropped before the end, it settles the claim (see [`Settle`]).
+///
+/// Generic over the body only for polling it; what comes after is shared.
+async fn own<F: Future<Output = Prepared>>(
+    call: &Call,
+    owner: &Owner,
+    mut body: BodySlot<'_, F>,
+) -> Result<(), Error> {
+    let guard = Settle::new(call, owner);
+    let ran = {
+        let running = std::pin::pin!(CURRENT_KEY.scope(call.key.clone(), Polled(body.as_mut())));
+        heartbeat::drive(std::pin::pin!(CatchUnwind(running)), &owner.lease(call)).await
+    };
+    // The body is dropped before its claim is settled, whatever stopped it.
+    if !matches!(ran, Ran::Finished(Ok(_))) {
+        CURRENT_KEY.sync_scope(call.key.clone(), || body.set(None));
+    }
+    settle_run(call, guard, ran).await
 }
 
-/// The owner's part: runs the operation with its heartbeat, then records its outcome.
-/// Dropped before the end, it settles the claim (see [`Settle`]).
-async fn own<R, C, Fut>(call: &Call, owner: &Owner, operation: Fut) -> Result<R, Error>
-where
-    R: ToolOutput,
-    C: ErrorPolicy<R::Err>,
-    Fut: Future<Output = R>,
-{
-    let guard = Settle::new(call, owner);
-    let lease = owner.lease(call);
-    // In a block of its own: the body is dropped at its end, before the claim is
-    // settled, whatever stopped it.
-    let ran = {
-        let body = std::pin::pin!(CURRENT_KEY.scope(call.key.clone(), operation));
-        let caught = std::pin::pin!(CatchUnwind(body));
-        heartbeat::drive(caught, &lease).await
-    };
+/// Polls the body in its slot; a stopped body has nothing more to give.
+struct Polled<'a, F>(BodySlot<'a, F>);
+
+impl<F: Future<Output = Prepared>> Future for Polled<'_, F> {
+    type Output = Prepared;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Prepared> {
+        match self.0.as_mut().as_pin_mut() {
+            Some(body) => body.poll(cx),
+            None => Poll::Ready(Prepared::Unstorable(Error::store(
+                "idem",
+                "a body was polled after it stopped",
+            ))),
+        }
+    }
+}
+
+/// How a body's run ended: its prepared outcome, or its panic.
+type BodyEnd = Result<Prepared, Box<dyn Any + Send>>;
+
+/// Settles an owner's call after its body's run: records the outcome of a body that
+/// finished ([`finish`]), settles the claim of one that panicked (then the panic goes
+/// on) or ran past `max_run`, and gives up one whose claim was lost.
+async fn settle_run(call: &Call, guard: Settle<'_>, ran: Ran<BodyEnd>) -> Result<(), Error> {
     match ran {
-        Ran::Finished(Ok(output)) => finish::<R, C>(call, guard, output).await,
+        Ran::Finished(Ok(prepared)) => finish(call, guard, prepared).await,
         Ran::Finished(Err(panic)) => guard.panicked(panic).await,
         Ran::OverMaxRun => {
             tracing::warn!(tool = %call.tool, key = %call.key, max_run = %Human(call.options.max_run), "idem: the body ran past its max_run and was stopped");
@@ -921,6 +1084,30 @@ where
             })
         }
     }
+}
+
+/// The owner's part of a sync tool's call: runs `body` (`None` if called twice, which
+/// it is not) with the timer thread renewing its claim, then records its outcome.
+fn own_blocking(
+    call: &Call,
+    owner: &Owner,
+    body: &mut dyn FnMut() -> Option<Prepared>,
+) -> Result<(), Error> {
+    let guard = Settle::new(call, owner);
+    let beat = Beat::start(&owner.lease(call));
+    let ended = panic::catch_unwind(AssertUnwindSafe(|| {
+        CURRENT_KEY.sync_scope(call.key.clone(), &mut *body)
+    }));
+    drop(beat);
+    let ended = match ended {
+        Ok(Some(prepared)) => Ok(prepared),
+        Ok(None) => Ok(Prepared::Unstorable(Error::store(
+            "idem",
+            "a sync body was called twice",
+        ))),
+        Err(panic) => Err(panic),
+    };
+    pollster::block_on(settle_run(call, guard, Ran::Finished(ended)))
 }
 
 /// A future that turns a panic in `F`'s poll into `Err(payload)`.
@@ -1098,50 +1285,47 @@ async fn settle(
 /// settled by the delivery policy. An outcome the store fails to record is still the
 /// caller's: the body ran, so the caller gets its value, and the record is tried again
 /// in the background (see [`record_late`]).
-async fn finish<R, C>(call: &Call, mut guard: Settle<'_>, output: R) -> Result<R, Error>
-where
-    R: ToolOutput,
-    C: ErrorPolicy<R::Err>,
-{
+async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Result<(), Error> {
     let key = &call.key;
-    let result = output.into_result();
     let store = guard.0.store;
-    let stored = match &result {
-        Ok(value) => storable(call, store, value, reads_back_the_same::<R::Ok>).map(Some),
-        Err(error) if C::CACHES => C::encode(key, error)
-            .and_then(|bytes| within_limit(call, store, bytes))
-            .and_then(|bytes| match C::read_back(&bytes) {
-                Ok(()) => Ok(bytes),
-                Err(source) => Err(unreadable(call, source)),
-            })
-            .map(Some),
-        Err(_) => Ok(None),
-    };
-    let bytes = match stored {
-        Ok(Some(bytes)) => bytes,
-        Ok(None) => {
+    let stored = match prepared {
+        Prepared::Release => {
             guard.release().await;
-            return Ok(R::from_result(result));
+            return Ok(());
         }
+        Prepared::Unstorable(error) => Err(error),
+        Prepared::Record {
+            bytes,
+            failed,
+            reads_back,
+        } => within_limit(call, store, bytes).and_then(|bytes| match reads_back(&bytes) {
+            Ok(()) => Ok((bytes, failed)),
+            Err(source) => Err(unreadable(call, source)),
+        }),
+    };
+    let (bytes, failed) = match stored {
+        Ok(stored) => stored,
         Err(error) => {
-            // The body ran but its outcome cannot be stored.
             tracing::warn!(tool = %call.tool, %key, %error, "idem: the body ran but its outcome cannot be stored");
             guard.settle("ran, but its outcome cannot be stored").await;
             return Err(error);
         }
     };
-    let failed = result.is_err();
-    let outcome = outcome(&bytes, failed);
     // Armed while the completion is out: dropped there, the claim is settled (fenced: a
     // no-op if the completion landed).
     let completed = store
-        .complete(key, guard.0.token, outcome, call.options.ttl)
+        .complete(
+            key,
+            guard.0.token,
+            outcome(&bytes, failed),
+            call.options.ttl,
+        )
         .await;
     match completed {
         Ok(Fenced::Applied) => {
             guard.0.disarm();
             wait::notify(key);
-            Ok(R::from_result(result))
+            Ok(())
         }
         Ok(Fenced::LostLease) => {
             guard.0.disarm();
@@ -1155,7 +1339,7 @@ where
             tracing::warn!(tool = %call.tool, %key, %error, "idem: the body ran, but the store failed to record its outcome; returning the body's value, and trying to record it again in the background");
             guard.0.disarm();
             record_late(call, Arc::clone(store), guard.0.token, bytes, failed);
-            Ok(R::from_result(result))
+            Ok(())
         }
     }
 }
@@ -1167,23 +1351,6 @@ fn outcome(bytes: &[u8], failed: bool) -> Outcome<'_> {
     } else {
         Outcome::Completed(bytes)
     }
-}
-
-/// `value` serialized for the store, if a retry can read it back: it serializes, fits
-/// the store's limit, and `read_back` accepts its bytes (see [`reads_back_the_same`]).
-fn storable<T: Serialize>(
-    call: &Call,
-    store: &Arc<dyn Store>,
-    value: &T,
-    read_back: impl FnOnce(&[u8]) -> Result<(), serde_json::Error>,
-) -> Result<Vec<u8>, Error> {
-    let bytes = serde_json::to_vec(value).map_err(|source| Error::Output {
-        key: call.key.clone(),
-        source,
-    })?;
-    let bytes = within_limit(call, store, bytes)?;
-    read_back(&bytes).map_err(|source| unreadable(call, source))?;
-    Ok(bytes)
 }
 
 /// `bytes`, or [`Error::ResultTooLarge`] over the store's limit.

@@ -27,16 +27,27 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::{Error, Fingerprint, Key};
+use crate::key::Fingerprint;
+use crate::{Error, Key};
 
 /// A point in time: milliseconds since the Unix epoch, by the clock of whoever wrote it.
 ///
 /// The memory and sled stores use the process clock ([`Timestamp::now`]); a store
 /// shared by several machines documents which clock it uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Timestamp(pub u64);
+pub struct Timestamp(pub(crate) u64);
 
 impl Timestamp {
+    /// The time `ms` milliseconds after the Unix epoch.
+    pub const fn from_millis(ms: u64) -> Self {
+        Timestamp(ms)
+    }
+
+    /// Milliseconds since the Unix epoch: what a store writes down.
+    pub const fn as_millis(self) -> u64 {
+        self.0
+    }
+
     /// The process clock now. A clock set before 1970 reads as 0.
     pub fn now() -> Self {
         let ms = SystemTime::now()
@@ -69,9 +80,19 @@ pub(crate) fn millis(d: Duration) -> u64 {
 /// the token of its current in-progress record, so an owner whose lease was taken over
 /// cannot overwrite the new owner's result.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Token(pub u128);
+pub struct Token(pub(crate) u128);
 
 impl Token {
+    /// The token written down as `bits` (by [`Token::to_bits`]).
+    pub const fn from_bits(bits: u128) -> Self {
+        Token(bits)
+    }
+
+    /// The token as a number, for a store that writes it down.
+    pub const fn to_bits(self) -> u128 {
+        self.0
+    }
+
     /// A token unique to this call: 64 random bits drawn once per process, mixed with
     /// the wall clock's nanoseconds, then a per-process counter. The counter keeps this
     /// process's tokens apart, the random bits other processes'; the clock keeps a forked

@@ -20,16 +20,18 @@
 //!
 //! [`decide_claim`] is the claim rule as a pure function; a store that can run Rust
 //! inside its atomic step (a lock, a compare-and-swap loop) uses it as is. The
-//! `testing` feature exports a conformance suite (`idem_core::testing`) that checks all
-//! of the above against any store.
+//! `testing` feature exports a conformance suite (`idem::store::testing`) that checks
+//! all of the above against any store.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::record::{Record, State, Timestamp, Token};
-use crate::{Error, Fingerprint, Key};
+pub use crate::key::{Fingerprint, KeyParts};
+pub use crate::key_text::Key;
+pub use crate::record::{Record, State, Timestamp, Token, FORMAT_VERSION};
+use crate::Error;
 
 /// What a caller asks for when it claims a key.
 #[derive(Clone, Copy, Debug)]
@@ -373,16 +375,16 @@ pub fn decide_fenced(
     })
 }
 
-pub mod local_cache;
-pub mod memory;
+pub(crate) mod local_cache;
+pub(crate) mod memory;
 #[cfg(any(feature = "postgres", feature = "redis"))]
 mod net;
 #[cfg(feature = "postgres")]
-pub mod postgres;
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
-pub mod redis;
+pub(crate) mod redis;
 #[cfg(feature = "sled")]
-pub mod sled;
+pub(crate) mod sled;
 
 #[cfg(test)]
 mod tests {

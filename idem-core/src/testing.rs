@@ -24,11 +24,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
-use crate::{
-    execute, execute_finishing, Call, Error, Fingerprint, Key, Options, Record, ReleaseErrors, Run,
-    State, Timestamp, Token,
+use crate::protocol::{execute, execute_finishing, Call, ReleaseErrors};
+use crate::store::{
+    Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Record, State, Store, Timestamp, Token,
 };
+use crate::{Error, Key, Options, Run};
 
 /// The lease and TTL the suite lets expire.
 const SHORT: Duration = Duration::from_millis(150);

@@ -7,7 +7,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use idem_core::{Fingerprint, Key, KeyParts};
+use idem_core::store::{Fingerprint, KeyParts};
+use idem_core::Key;
 
 struct Counting;
 

@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use idem_core::{testing, LocalCache, MemoryStore, SledStore};
+use idem_core::testing;
+use idem_core::{LocalCache, MemoryStore, SledStore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_store_conforms() {

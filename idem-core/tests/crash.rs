@@ -7,7 +7,8 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
-use idem_core::{execute, Call, Error, Options, ReleaseErrors, Run, SledStore};
+use idem_core::__private::{execute, Call, ReleaseErrors};
+use idem_core::{Error, Options, Run, SledStore};
 
 const ROLE: &str = "IDEM_TEST_CRASH_ROLE";
 const DIR: &str = "IDEM_TEST_CRASH_DIR";
@@ -97,7 +98,7 @@ fn spawn_child(role: &str, dir: &Path, run_id: &str) -> Child {
         .env(ROLE, role)
         .env(DIR, dir)
         .env(RUN, run_id)
-        .env(idem_core::run::DIR_ENV, dir.join("store"))
+        .env("IDEM_DIR", dir.join("store"))
         .spawn()
         .unwrap()
 }

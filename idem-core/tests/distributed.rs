@@ -16,11 +16,10 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_core::store::{Claim, ClaimRequest};
-use idem_core::{
-    execute, testing, Call, Error, Fingerprint, Key, LocalCache, Options, PostgresStore, Record,
-    RedisStore, ReleaseErrors, Run, State, Store, Timestamp, Token,
-};
+use idem_core::__private::{execute, Call, ReleaseErrors};
+use idem_core::store::{Claim, ClaimRequest, Fingerprint, Record, State, Timestamp, Token};
+use idem_core::testing;
+use idem_core::{Error, Key, LocalCache, Options, PostgresStore, RedisStore, Run, Store};
 
 fn postgres_url() -> Option<String> {
     let url = std::env::var("IDEM_POSTGRES_URL")
@@ -44,7 +43,7 @@ fn redis_url() -> Option<String> {
 
 /// A name no other test run uses.
 fn unique(prefix: &str) -> String {
-    let t = Token::generate().unwrap().0;
+    let t = Token::generate().unwrap().to_bits();
     format!(
         "{prefix}_{}_{:012x}",
         std::process::id(),
@@ -179,11 +178,11 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
     };
     let permanent = Record {
         fingerprint: request.fingerprint,
-        created_at: Timestamp(0),
-        expires_at: Timestamp(60_000),
+        created_at: Timestamp::from_millis(0),
+        expires_at: Timestamp::from_millis(60_000),
         state: State::InProgress {
             token: Token::generate().unwrap(),
-            lease_until: Timestamp(1_000),
+            lease_until: Timestamp::from_millis(1_000),
         },
     }
     .encode();
@@ -191,8 +190,8 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
     // claiming over it, would both be guesses.
     let stillborn = Record {
         fingerprint: request.fingerprint,
-        created_at: Timestamp(0),
-        expires_at: Timestamp(0),
+        created_at: Timestamp::from_millis(0),
+        expires_at: Timestamp::from_millis(0),
         state: State::Completed {
             result: b"1".to_vec(),
         },
@@ -274,22 +273,26 @@ async fn redis_record_times_are_the_server_clock() {
     let record = store.get(&key).await.unwrap().unwrap();
     // PTTL counts whole milliseconds: allow one either side.
     assert!(
-        (before - 1..=after + 1).contains(&record.created_at.0),
+        (before - 1..=after + 1).contains(&record.created_at.as_millis()),
         "created {} outside the claim's {before}..={after}",
-        record.created_at.0
+        record.created_at.as_millis()
     );
     assert!(
         record
             .expires_at
-            .0
-            .abs_diff(record.created_at.0 + 30_000 + 3_600_000)
+            .as_millis()
+            .abs_diff(record.created_at.as_millis() + 30_000 + 3_600_000)
             <= 1,
         "a claim's record expires a TTL after its lease: {record:?}"
     );
     match record.state {
         State::InProgress { token, lease_until } => {
             assert_eq!(token, request.token);
-            assert_eq!(lease_until.0, record.created_at.0 + 30_000, "{record:?}");
+            assert_eq!(
+                lease_until.as_millis(),
+                record.created_at.as_millis() + 30_000,
+                "{record:?}"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -752,7 +755,7 @@ async fn redis_store_fails_closed_while_the_server_is_down_and_recovers_after() 
 static SYNC_RUNS: AtomicUsize = AtomicUsize::new(0);
 
 fn sync_call(run: &Run, n: u32) -> Result<Result<u32, Error>, Error> {
-    idem_core::execute_blocking::<Result<u32, Error>, ReleaseErrors, _>(
+    idem_core::__private::execute_blocking::<Result<u32, Error>, ReleaseErrors, _>(
         Call::new(Some(run), "sync_tool", Options::new(), &n),
         || {
             SYNC_RUNS.fetch_add(1, SeqCst);

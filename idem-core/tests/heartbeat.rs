@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_core::{execute, Call, Error, Options, ReleaseErrors, Run, SledStore, State, Store};
+use idem_core::__private::{execute, Call, ReleaseErrors};
+use idem_core::store::State;
+use idem_core::{Error, Options, Run, SledStore, Store};
 
 const ROLE: &str = "IDEM_TEST_HEARTBEAT_ROLE";
 const STORE: &str = "IDEM_TEST_HEARTBEAT_STORE";
@@ -254,7 +256,7 @@ async fn sled_killed_worker_renewed_its_claim_until_it_died() {
     let run_id = run_id("sled");
     let mut worker = spawn_worker("hold", "sled", dir.path(), &run_id);
     wait_for_file(&dir.path().join("started"));
-    let claimed = idem_core::Timestamp::now();
+    let claimed = idem_core::store::Timestamp::now();
     tokio::time::sleep(LEASE * 5).await;
     signal(&worker, "-KILL");
     let killed = Instant::now();

@@ -6,11 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::store::DEFAULT_MAX_RESULT_BYTES;
-use idem_core::{
-    execute, Call, Error, Fingerprint, KeyParts, MemoryStore, Options, ReleaseErrors, Run,
-    SledStore, State, Store,
-};
+use idem_core::__private::{execute, Call, ReleaseErrors};
+use idem_core::store::{Fingerprint, KeyParts, State, DEFAULT_MAX_RESULT_BYTES};
+use idem_core::{Error, MemoryStore, Options, Run, SledStore, Store};
 
 /// Runs `tool` with `input` in `run`; the body counts its runs and returns `output`.
 async fn call<I: serde::Serialize>(
@@ -241,7 +239,8 @@ const PARTS: KeyParts<'static> = KeyParts {
 
 /// Fingerprinting through `&dyn`, as the attribute does.
 mod erased {
-    use idem_core::{Error, Fingerprint};
+    use idem_core::store::Fingerprint;
+    use idem_core::Error;
 
     pub trait Input {
         fn fingerprint(&self) -> Result<Fingerprint, Error>;

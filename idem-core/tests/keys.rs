@@ -3,7 +3,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use idem_core::{Call, Fingerprint, Key, KeyParts, MemoryStore, Options, Run};
+use idem_core::__private::Call;
+use idem_core::store::{Fingerprint, KeyParts};
+use idem_core::{Key, MemoryStore, Options, Run};
 use proptest::prelude::*;
 use sha2::{Digest, Sha256};
 
@@ -83,17 +85,17 @@ proptest! {
 /// Lets the property above fingerprint maps of different types through one closure.
 mod erased {
     pub trait Ser {
-        fn fingerprint(&self) -> idem_core::Fingerprint;
+        fn fingerprint(&self) -> idem_core::store::Fingerprint;
     }
     impl<T: serde::Serialize> Ser for T {
-        fn fingerprint(&self) -> idem_core::Fingerprint {
-            let parts = idem_core::KeyParts {
+        fn fingerprint(&self) -> idem_core::store::Fingerprint {
+            let parts = idem_core::store::KeyParts {
                 tenant: None,
                 run_id: "run",
                 call_id: None,
                 tool: "t",
             };
-            idem_core::Fingerprint::of(&parts, self).unwrap()
+            idem_core::store::Fingerprint::of(&parts, self).unwrap()
         }
     }
 }

@@ -9,11 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::store::{Claim, ClaimRequest, Fenced, Outcome};
-use idem_core::{
-    execute, CacheErrors, Call, Error, Fingerprint, Key, LocalCache, MemoryStore, Options, Record,
-    ReleaseErrors, Run, Store, Token,
-};
+use idem_core::__private::{execute, CacheErrors, Call, ReleaseErrors};
+use idem_core::store::{Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Record, Token};
+use idem_core::{Error, Key, LocalCache, MemoryStore, Options, Run, Store};
 
 /// A memory store that counts the claims it is asked.
 #[derive(Clone, Default)]

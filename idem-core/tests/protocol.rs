@@ -5,11 +5,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
-use idem_core::{
-    current_key, execute, execute_blocking, CacheErrors, Call, Error, Fingerprint, Key, KeyParts,
-    MemoryStore, Options, ReleaseErrors, Run, SledStore, State, Token,
+use idem_core::__private::{execute, execute_blocking, CacheErrors, Call, ReleaseErrors};
+use idem_core::store::{
+    Claim, ClaimRequest, Fenced, Fingerprint, KeyParts, Outcome, State, Store, Token,
 };
+use idem_core::{current_key, Error, Key, MemoryStore, Options, Run, SledStore};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -344,7 +344,7 @@ impl Store for RenewalsLost {
     async fn renew(&self, _: &Key, _: Token, _: Duration, _: Duration) -> Result<Fenced, Error> {
         Err(Error::store("partitioned", "no route to the store"))
     }
-    async fn get(&self, key: &Key) -> Result<Option<idem_core::Record>, Error> {
+    async fn get(&self, key: &Key) -> Result<Option<idem_core::store::Record>, Error> {
         self.0.get(key).await
     }
     async fn delete(&self, key: &Key) -> Result<bool, Error> {

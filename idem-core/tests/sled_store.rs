@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
+use idem_core::__private::{execute, Call, ReleaseErrors};
 use idem_core::store::Store;
-use idem_core::{execute, Call, Error, Options, ReleaseErrors, Run, SledStore};
+use idem_core::{Error, Options, Run, SledStore};
 
 async fn send(run: &Run, to: &str, value: &str) -> Result<Result<String, Error>, Error> {
     let value = value.to_string();
@@ -295,7 +296,7 @@ async fn fsync_mode_caps_results_below_the_blob_size_and_is_one_setting_per_dire
 /// every result is there when the store is opened again.
 #[test]
 fn misses_flush_and_replay_from_every_kind_of_thread() {
-    use idem_core::execute_blocking;
+    use idem_core::__private::execute_blocking;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     let dir = tempfile::tempdir().unwrap();

@@ -1,35 +1,5 @@
 //! `LocalCache`: results this process completed, replayed from memory in front of a
-//! shared store.
-//!
-//! A hit on Postgres or Redis costs a round trip. When the retry of a call comes back
-//! to the worker that ran it, [`LocalCache`] answers from memory instead: it keeps the
-//! results this process itself stored, each for at most `max_age` and never longer than
-//! its TTL from the moment its completion began (so not past its record's expiry), and
-//! asks the store it wraps about everything else. Both are counted on the monotonic
-//! clock, so a wall clock that jumps does not stretch them.
-//!
-//! # What it keeps, and what it does not
-//!
-//! - Only completed results that a claim *by this process* acquired and this process
-//!   completed: it knows their fingerprint (from the claim) and a time before their
-//!   record expires (the completion began before the store wrote the record, which
-//!   then lives for the TTL).
-//!   Results it only replayed from the store are not kept: their expiry would cost
-//!   another round trip to learn.
-//! - Nothing in progress, failed or mismatched: the store decides those, so every
-//!   guarantee about concurrent duplicates, leases and fencing is the store's.
-//! - A cached result is replayed only for the same fingerprint; another input falls
-//!   through to the store, which reports the mismatch.
-//!
-//! # The trade
-//!
-//! A record removed from the shared store by another process (its `delete`, or by hand
-//! on the server) goes on being replayed here until `max_age` ends. A `delete` through
-//! this cache takes effect here at once. Keep `max_age` below the time within which a
-//! removal must be seen everywhere; the default is one minute.
-//!
-//! Memory is bounded by `max_bytes` (results and keys; default 16 MiB): the oldest
-//! entries go first.
+//! shared store (its docs give what is kept and the trade it makes).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,28 +7,29 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
+use crate::key::Fingerprint;
 use crate::record::{Record, Token};
 use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
-use crate::{Error, Fingerprint, Key};
+use crate::{Error, Key};
 
 /// How long a result is kept by default.
-pub const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);
 
 /// How many bytes of results and keys are kept by default: 16 MiB.
-pub const DEFAULT_MAX_BYTES: usize = 16 << 20;
+pub(crate) const DEFAULT_MAX_BYTES: usize = 16 << 20;
 
 /// What an entry costs besides its key and result: the map slot, the queue slot, the
 /// `Arc` headers.
 const ENTRY_OVERHEAD: usize = 96;
 
 /// A store in front of another: results this process completed are replayed from
-/// memory for up to `max_age`; everything else is the wrapped store's (see the
-/// [module docs](self) for what is kept and the trade it makes).
+/// memory for up to `max_age`; everything else is the wrapped store's (see below for
+/// what is kept and the trade it makes).
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), idem_core::Error> {
 /// use std::time::Duration;
-/// use idem_core::store::local_cache::LocalCache;
+/// use idem_core::LocalCache;
 /// # #[cfg(feature = "redis")] {
 /// use idem_core::{RedisStore, Run};
 ///
@@ -68,6 +39,39 @@ const ENTRY_OVERHEAD: usize = 96;
 /// # }
 /// # Ok(()) }
 /// ```
+///
+/// `LocalCache`: results this process completed, replayed from memory in front of a
+/// shared store.
+///
+/// A hit on Postgres or Redis costs a round trip. When the retry of a call comes back
+/// to the worker that ran it, [`LocalCache`] answers from memory instead: it keeps the
+/// results this process itself stored, each for at most `max_age` and never longer than
+/// its TTL from the moment its completion began (so not past its record's expiry), and
+/// asks the store it wraps about everything else. Both are counted on the monotonic
+/// clock, so a wall clock that jumps does not stretch them.
+///
+/// # What it keeps, and what it does not
+///
+/// - Only completed results that a claim *by this process* acquired and this process
+///   completed: it knows their fingerprint (from the claim) and a time before their
+///   record expires (the completion began before the store wrote the record, which
+///   then lives for the TTL).
+///   Results it only replayed from the store are not kept: their expiry would cost
+///   another round trip to learn.
+/// - Nothing in progress, failed or mismatched: the store decides those, so every
+///   guarantee about concurrent duplicates, leases and fencing is the store's.
+/// - A cached result is replayed only for the same fingerprint; another input falls
+///   through to the store, which reports the mismatch.
+///
+/// # The trade
+///
+/// A record removed from the shared store by another process (its `delete`, or by hand
+/// on the server) goes on being replayed here until `max_age` ends. A `delete` through
+/// this cache takes effect here at once. Keep `max_age` below the time within which a
+/// removal must be seen everywhere; the default is one minute.
+///
+/// Memory is bounded by `max_bytes` (results and keys; default 16 MiB): the oldest
+/// entries go first.
 pub struct LocalCache<S> {
     inner: S,
     max_age: Duration,
@@ -189,8 +193,8 @@ impl Entries {
 }
 
 impl<S: Store> LocalCache<S> {
-    /// `inner` with a cache in front, keeping results for [`DEFAULT_MAX_AGE`] within
-    /// [`DEFAULT_MAX_BYTES`].
+    /// `inner` with a cache in front, keeping results for 60 s within 16 MiB (see
+    /// [`LocalCache::max_age`] and [`LocalCache::max_bytes`]).
     pub fn new(inner: S) -> Self {
         LocalCache {
             inner,

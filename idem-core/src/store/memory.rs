@@ -1,5 +1,5 @@
-//! `MemoryStore`: records in maps behind read-write locks, for tests and
-//! single-process agents.
+//! `MemoryStore`: records in maps behind read-write locks, for tests and single-process
+//! agents (its docs say more).
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -7,12 +7,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::key::Fingerprint;
 use crate::record::{Record, State, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, OwnerWrite,
     Store,
 };
-use crate::{blocking, sync, Error, Fingerprint, Key};
+use crate::{blocking, sync, Error, Key};
 
 /// How many maps a [`MemoryStore`] spreads its records over, each behind its own lock.
 /// A purge locks one map at a time, so a call waits at most for one map's share of the
@@ -222,7 +223,7 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::KeyParts;
+    use crate::key::KeyParts;
 
     fn derived(i: u32) -> Key {
         let parts = KeyParts {

@@ -1,110 +1,18 @@
-//! `PostgresStore`: records in one PostgreSQL table, shared by a fleet of workers
-//! (feature `postgres`).
-//!
-//! # Schema
-//!
-//! Created by [`PostgresStore::migrate`] (which [`PostgresStore::connect`] runs), under
-//! an advisory lock so workers starting together do not race. The table name is
-//! configurable (`idem_records` by default):
-//!
-//! ```sql
-//! CREATE TABLE IF NOT EXISTS idem_records (
-//!     key         text        PRIMARY KEY,  -- `<tool>.<sha-256 hex>`
-//!     fingerprint bytea       NOT NULL,     -- SHA-256 of the call: key parts and whole input
-//!     state       smallint    NOT NULL,     -- 0 in progress, 1 completed, 2 failed
-//!     token       bytea       NOT NULL,     -- fencing token of the call that claimed it
-//!     lease_until timestamptz,              -- in progress: when the claim counts as abandoned
-//!     payload     bytea,                    -- completed / failed: the result or error, JSON
-//!     created_at  timestamptz NOT NULL,
-//!     expires_at  timestamptz NOT NULL      -- the row is absent to idem from then on
-//! );
-//! CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at);
-//! ```
-//!
-//! # Statements
-//!
-//! Every time comes from the **database clock** (`now()`), so workers with skewed
-//! clocks agree on leases and expiry, except [`Claim::Busy`]'s `lease_until`, which is
-//! converted to this process's clock, the one a waiting call sleeps by.
-//!
-//! - **claim** is one statement in the common cases: it inserts a fresh claim if the
-//!   key has no row, and reads the row that was there and the database time:
-//!
-//!   ```sql
-//!   WITH fresh AS (INSERT INTO idem_records (key, ...) VALUES ($1, ...)
-//!                  ON CONFLICT (key) DO NOTHING RETURNING 1)
-//!   SELECT r.*, now(), (SELECT count(*) FROM fresh)
-//!   FROM (SELECT 1) AS one LEFT JOIN idem_records AS r ON r.key = $1
-//!   ```
-//!
-//!   A first call (the miss path) is claimed by it, so a miss is two statements and two
-//!   commits: this one and the completion. When the key has a row, `DO NOTHING` takes
-//!   no lock and writes nothing (the transaction stays read-only), and the row read
-//!   back decides: a completed row (the hit path), a live claim or another fingerprint
-//!   needs nothing more, so a hit is one statement too. When the row is claimable
-//!   (expired, abandoned, failed), a second statement claims it, deciding again under
-//!   the row lock:
-//!
-//!   ```sql
-//!   INSERT INTO idem_records AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at)
-//!   VALUES ($1, $2, 0, $3, now() + $4 ms, NULL, now(), now() + $5 ms)  -- $5: lease + TTL
-//!   ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 0, ...
-//!   WHERE r.expires_at <= now()                                  -- expired: absent
-//!      OR (r.fingerprint = EXCLUDED.fingerprint AND (
-//!             (r.state = 0 AND r.lease_until <= now() AND $6)   -- abandoned, take over
-//!          OR (r.state = 2 AND $7)))                            -- failed, retry
-//!   RETURNING 1
-//!   ```
-//!
-//!   No row back means another caller won in between: the claim starts over and
-//!   reports what it finds.
-//! - **complete**: `UPDATE .. SET state = 1, payload = $p, expires_at = now() + ttl
-//!   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`.
-//! - **release**: `DELETE .. WHERE key = $1 AND state = 0 AND token = $2 AND
-//!   expires_at > now()`.
-//! - **renew** (a running body's heartbeat): `UPDATE .. SET lease_until = now() +
-//!   lease, expires_at = now() + lease + ttl WHERE key = $1 AND state = 0 AND token =
-//!   $2 AND expires_at > now()`.
-//! - **purge**: batches of at most 10,000 rows, in order of expiry, each one statement:
-//!
-//!   ```sql
-//!   WITH gone AS (DELETE FROM idem_records WHERE ctid = ANY(ARRAY(
-//!           SELECT ctid FROM idem_records WHERE expires_at <= now() AND expires_at >= $1
-//!           ORDER BY expires_at LIMIT $2))
-//!       AND expires_at <= now() RETURNING expires_at)
-//!   SELECT count(*), max(expires_at) FROM gone
-//!   ```
-//!
-//!   until a batch comes back short. `$1` is the last batch's latest expiry (in whole
-//!   milliseconds, rounded down, so rows sharing it are not skipped): each batch starts
-//!   where the last one ended, and does not walk the index entries of the rows just
-//!   deleted. Every statement stays well within the store's timeout whatever the
-//!   backlog (one `DELETE` of 10⁶ rows took 0.6–0.9 s here, so a backlog of some
-//!   millions would outlast the 5-second default and the purge would report a
-//!   timeout), and no transaction holds locks and piles up WAL for long. A row that a
-//!   claim re-claims meanwhile gets a new version that is not expired: the outer test
-//!   keeps it.
-//!
-//! # Failures
-//!
-//! Every operation is bounded by the store's timeout (5 seconds by default, covering
-//! the connection, the wait for a pooled connection and the statement): an unreachable
-//! or stopped server is an [`Error::Store`] within that time, and the operation is not
-//! run.
+//! `PostgresStore`: records in a PostgreSQL table, for fleets of workers (its docs give
+//! the table, the statements, the clock and the timeouts).
 
 use std::sync::Arc;
 use std::time::Duration;
-
-pub use deadpool_postgres;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
+use crate::key::Fingerprint;
 use crate::record::{Record, State, Timestamp, Token};
 use crate::store::net::{self, fenced, in_local_clock};
 use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
-use crate::{Error, Fingerprint, Key};
+use crate::{Error, Key};
 
 const STORE: &str = "postgres";
 
@@ -118,6 +26,100 @@ const STORE: &str = "postgres";
 /// let run = Run::new("run-42").with_store(store);
 /// # Ok(()) }
 /// ```
+///
+/// `PostgresStore`: records in one PostgreSQL table, shared by a fleet of workers
+/// (feature `postgres`).
+///
+/// # Schema
+///
+/// Created by [`PostgresStore::migrate`] (which [`PostgresStore::connect`] runs), under
+/// an advisory lock so workers starting together do not race. The table name is
+/// configurable (`idem_records` by default):
+///
+/// ```sql
+/// CREATE TABLE IF NOT EXISTS idem_records (
+///     key         text        PRIMARY KEY,  -- `<tool>.<sha-256 hex>`
+///     fingerprint bytea       NOT NULL,     -- SHA-256 of the call: key parts and whole input
+///     state       smallint    NOT NULL,     -- 0 in progress, 1 completed, 2 failed
+///     token       bytea       NOT NULL,     -- fencing token of the call that claimed it
+///     lease_until timestamptz,              -- in progress: when the claim counts as abandoned
+///     payload     bytea,                    -- completed / failed: the result or error, JSON
+///     created_at  timestamptz NOT NULL,
+///     expires_at  timestamptz NOT NULL      -- the row is absent to idem from then on
+/// );
+/// CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at);
+/// ```
+///
+/// # Statements
+///
+/// Every time comes from the **database clock** (`now()`), so workers with skewed
+/// clocks agree on leases and expiry, except [`Claim::Busy`]'s `lease_until`, which is
+/// converted to this process's clock, the one a waiting call sleeps by.
+///
+/// - **claim** is one statement in the common cases: it inserts a fresh claim if the
+///   key has no row, and reads the row that was there and the database time:
+///
+///   ```sql
+///   WITH fresh AS (INSERT INTO idem_records (key, ...) VALUES ($1, ...)
+///                  ON CONFLICT (key) DO NOTHING RETURNING 1)
+///   SELECT r.*, now(), (SELECT count(*) FROM fresh)
+///   FROM (SELECT 1) AS one LEFT JOIN idem_records AS r ON r.key = $1
+///   ```
+///
+///   A first call (the miss path) is claimed by it, so a miss is two statements and two
+///   commits: this one and the completion. When the key has a row, `DO NOTHING` takes
+///   no lock and writes nothing (the transaction stays read-only), and the row read
+///   back decides: a completed row (the hit path), a live claim or another fingerprint
+///   needs nothing more, so a hit is one statement too. When the row is claimable
+///   (expired, abandoned, failed), a second statement claims it, deciding again under
+///   the row lock:
+///
+///   ```sql
+///   INSERT INTO idem_records AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at)
+///   VALUES ($1, $2, 0, $3, now() + $4 ms, NULL, now(), now() + $5 ms)  -- $5: lease + TTL
+///   ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 0, ...
+///   WHERE r.expires_at <= now()                                  -- expired: absent
+///      OR (r.fingerprint = EXCLUDED.fingerprint AND (
+///             (r.state = 0 AND r.lease_until <= now() AND $6)   -- abandoned, take over
+///          OR (r.state = 2 AND $7)))                            -- failed, retry
+///   RETURNING 1
+///   ```
+///
+///   No row back means another caller won in between: the claim starts over and
+///   reports what it finds.
+/// - **complete**: `UPDATE .. SET state = 1, payload = $p, expires_at = now() + ttl
+///   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`.
+/// - **release**: `DELETE .. WHERE key = $1 AND state = 0 AND token = $2 AND
+///   expires_at > now()`.
+/// - **renew** (a running body's heartbeat): `UPDATE .. SET lease_until = now() +
+///   lease, expires_at = now() + lease + ttl WHERE key = $1 AND state = 0 AND token =
+///   $2 AND expires_at > now()`.
+/// - **purge**: batches of at most 10,000 rows, in order of expiry, each one statement:
+///
+///   ```sql
+///   WITH gone AS (DELETE FROM idem_records WHERE ctid = ANY(ARRAY(
+///           SELECT ctid FROM idem_records WHERE expires_at <= now() AND expires_at >= $1
+///           ORDER BY expires_at LIMIT $2))
+///       AND expires_at <= now() RETURNING expires_at)
+///   SELECT count(*), max(expires_at) FROM gone
+///   ```
+///
+///   until a batch comes back short. `$1` is the last batch's latest expiry (in whole
+///   milliseconds, rounded down, so rows sharing it are not skipped): each batch starts
+///   where the last one ended, and does not walk the index entries of the rows just
+///   deleted. Every statement stays well within the store's timeout whatever the
+///   backlog (one `DELETE` of 10⁶ rows took 0.6–0.9 s here, so a backlog of some
+///   millions would outlast the 5-second default and the purge would report a
+///   timeout), and no transaction holds locks and piles up WAL for long. A row that a
+///   claim re-claims meanwhile gets a new version that is not expired: the outer test
+///   keeps it.
+///
+/// # Failures
+///
+/// Every operation is bounded by the store's timeout (5 seconds by default, covering
+/// the connection, the wait for a pooled connection and the statement): an unreachable
+/// or stopped server is an [`Error::Store`] within that time, and the operation is not
+/// run.
 #[derive(Clone)]
 pub struct PostgresStore {
     inner: Arc<Inner>,
@@ -350,10 +352,10 @@ impl PostgresStore {
         &self.inner.table
     }
 
-    /// The store's connection pool, to run your own statements on the same
-    /// connections (a health check, or a benchmark's floor on the same server
-    /// process). This module re-exports [`deadpool_postgres`], so its version always
-    /// matches the store's.
+    /// The store's connection pool, for idem's own benchmarks and tests (a floor on
+    /// the same server processes, a table filled by hand). Not public API: its type is
+    /// `deadpool_postgres`'s, whose version may change in any release.
+    #[doc(hidden)]
     pub fn pool(&self) -> &Pool {
         &self.inner.pool
     }

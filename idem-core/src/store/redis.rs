@@ -1,45 +1,5 @@
-//! `RedisStore`: records in Redis, shared by a fleet of workers (feature `redis`).
-//!
-//! # Layout
-//!
-//! Each record is a Redis string under `<prefix><key>` (prefix `idem:` by default)
-//! holding the record encoding every store shares ([`Record::encode`]), with one
-//! difference: its times count from 0, the moment Redis stored it. Redis expires the
-//! key itself (`PX`) at the record's expiry.
-//!
-//! # Round trips
-//!
-//! - **Claim**: one native command, `SET key claim NX GET PX ttl`. It claims an
-//!   absent key, or returns the record there unchanged. Redis returns only live keys,
-//!   and only a lease needs a clock, so a completed, failed or other-input record is
-//!   decided on those bytes alone, at the record's own time 0: a hit is read in place
-//!   ([`Record::replayable_result`], as sled's hit path reads it), anything else by
-//!   [`decide_claim`]. A hit is one round trip, runs no script, writes nothing and
-//!   copies nothing. A record in progress is
-//!   read again in one transaction, `GET`, `PTTL`, `TIME`, which places it in the
-//!   server's time (stored at *now + time left − expires at*) so its lease can be
-//!   compared with the server clock. Taking over an abandoned claim or retrying a
-//!   cached error is one more step: a script that replaces the record only if it is
-//!   still, byte for byte, the one read; otherwise the claim starts again.
-//! - **Complete**, **renew** and **release**: one Lua script each, fenced by the
-//!   owner's token. A renewal rewrites the claim as if stored now (its times count from
-//!   0 again), with the claim's own fingerprint.
-//!   A miss is the claim plus a completion: two round trips, one of them a script.
-//! - **Get** is that `GET`, `PTTL`, `TIME` transaction; **delete** is `DEL`.
-//!
-//! Every time is the **Redis server clock** (`TIME`, and the key's TTL), so workers
-//! with skewed clocks agree on leases and expiry, except [`Claim::Busy`]'s
-//! `lease_until`, which is converted to this process's clock, the one a waiting call
-//! sleeps by. [`Store::purge_expired`] has nothing to do and returns 0. Needs Redis
-//! 7.0 or later (`SET` with both `NX` and `GET`).
-//!
-//! A value under a key that is not such a record (another program's key, a Redis
-//! type other than string) is an [`Error::CorruptRecord`] and is left as it is.
-//!
-//! The connection is a `redis::aio::ConnectionManager`: it reconnects after a server
-//! restart. Every operation is bounded by the store's timeout (5 seconds by default):
-//! an unreachable or stopped server is an [`Error::Store`] within that time, and the
-//! operation is not run.
+//! `RedisStore`: records in Redis, for fleets of workers (its docs give the layout, the
+//! scripts, the clock and the timeouts).
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -48,13 +8,14 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
+use crate::key::Fingerprint;
 use crate::record::{
     millis, Record, State, Timestamp, Token, FINGERPRINT_AT, IN_PROGRESS_LEN, IN_PROGRESS_TAG,
     TOKEN_AT,
 };
 use crate::store::net::{self, in_local_clock};
 use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
-use crate::{Error, Fingerprint, Key};
+use crate::{Error, Key};
 
 const STORE: &str = "redis";
 
@@ -175,6 +136,49 @@ fn px(ttl: Duration) -> u64 {
 /// let run = Run::new("run-42").with_store(store);
 /// # Ok(()) }
 /// ```
+///
+/// `RedisStore`: records in Redis, shared by a fleet of workers (feature `redis`).
+///
+/// # Layout
+///
+/// Each record is a Redis string under `<prefix><key>` (prefix `idem:` by default)
+/// holding the record encoding every store shares ([`Record::encode`]), with one
+/// difference: its times count from 0, the moment Redis stored it. Redis expires the
+/// key itself (`PX`) at the record's expiry.
+///
+/// # Round trips
+///
+/// - **Claim**: one native command, `SET key claim NX GET PX ttl`. It claims an
+///   absent key, or returns the record there unchanged. Redis returns only live keys,
+///   and only a lease needs a clock, so a completed, failed or other-input record is
+///   decided on those bytes alone, at the record's own time 0: a hit is read in place
+///   ([`Record::replayable_result`], as sled's hit path reads it), anything else by
+///   [`decide_claim`]. A hit is one round trip, runs no script, writes nothing and
+///   copies nothing. A record in progress is
+///   read again in one transaction, `GET`, `PTTL`, `TIME`, which places it in the
+///   server's time (stored at *now + time left − expires at*) so its lease can be
+///   compared with the server clock. Taking over an abandoned claim or retrying a
+///   cached error is one more step: a script that replaces the record only if it is
+///   still, byte for byte, the one read; otherwise the claim starts again.
+/// - **Complete**, **renew** and **release**: one Lua script each, fenced by the
+///   owner's token. A renewal rewrites the claim as if stored now (its times count from
+///   0 again), with the claim's own fingerprint.
+///   A miss is the claim plus a completion: two round trips, one of them a script.
+/// - **Get** is that `GET`, `PTTL`, `TIME` transaction; **delete** is `DEL`.
+///
+/// Every time is the **Redis server clock** (`TIME`, and the key's TTL), so workers
+/// with skewed clocks agree on leases and expiry, except [`Claim::Busy`]'s
+/// `lease_until`, which is converted to this process's clock, the one a waiting call
+/// sleeps by. [`Store::purge_expired`] has nothing to do and returns 0. Needs Redis
+/// 7.0 or later (`SET` with both `NX` and `GET`).
+///
+/// A value under a key that is not such a record (another program's key, a Redis
+/// type other than string) is an [`Error::CorruptRecord`] and is left as it is.
+///
+/// The connection is a `redis::aio::ConnectionManager`: it reconnects after a server
+/// restart. Every operation is bounded by the store's timeout (5 seconds by default):
+/// an unreachable or stopped server is an [`Error::Store`] within that time, and the
+/// operation is not run.
 #[derive(Clone)]
 pub struct RedisStore {
     inner: Arc<Inner>,

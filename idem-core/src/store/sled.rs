@@ -1,26 +1,5 @@
-//! `SledStore`: the embedded default store, on disk, no server needed.
-//!
-//! Records live in one sled tree ([`SledStore::TREE`]) of a database directory. Every
-//! claim is one compare-and-swap loop around [`decide_claim`], and every write is
-//! flushed before the call goes on: the claim is on disk before the operation starts,
-//! the result is on disk before the call returns.
-//!
-//! # Durability
-//!
-//! By default a write is durable against a **process crash** (kill -9, panic, OOM
-//! kill) before the call goes on: sled 0.34's flush writes its log and, on Linux, waits
-//! for it with `sync_file_range`, which puts the data on its way to the device but
-//! neither flushes the device's volatile cache nor syncs the file's size, and large
-//! values (over about 128 KiB) go to separate blob files that are never synced. That
-//! is not enough against **power loss or a kernel crash**: the last writes before it
-//! may be gone. [`SledStoreBuilder::fsync`] adds an `fdatasync` of the database file
-//! after each (group) flush and caps results at [`SledStore::FSYNC_MAX_RESULT_BYTES`]
-//! so no blob file is ever needed: then a call's claim and result are on stable
-//! storage before it goes on.
-//!
-//! sled allows one open handle per directory. Inside a process, every
-//! [`SledStore::open`] of the same directory shares one handle; another process that
-//! opens a directory in use gets an [`Error::Store`] within 1.5 seconds (never a hang).
+//! `SledStore`, the default store: records in an embedded sled database (its docs say
+//! how durable they are, and what the store costs).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -31,11 +10,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::error::Fault;
+use crate::key::Fingerprint;
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, OwnerWrite, Store,
 };
-use crate::{blocking, Error, Fingerprint, Key};
+use crate::{blocking, Error, Key};
 
 /// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
 ///
@@ -46,6 +26,30 @@ use crate::{blocking, Error, Fingerprint, Key};
 /// let store = idem_core::SledStore::open("/var/lib/my-agent/idem")?;
 /// # Ok(()) }
 /// ```
+///
+/// `SledStore`: the embedded default store, on disk, no server needed.
+///
+/// Records live in one sled tree ([`SledStore::TREE`]) of a database directory. Every
+/// claim is one compare-and-swap loop around [`decide_claim`], and every write is
+/// flushed before the call goes on: the claim is on disk before the operation starts,
+/// the result is on disk before the call returns.
+///
+/// # Durability
+///
+/// By default a write is durable against a **process crash** (kill -9, panic, OOM
+/// kill) before the call goes on: sled 0.34's flush writes its log and, on Linux, waits
+/// for it with `sync_file_range`, which puts the data on its way to the device but
+/// neither flushes the device's volatile cache nor syncs the file's size, and large
+/// values (over about 128 KiB) go to separate blob files that are never synced. That
+/// is not enough against **power loss or a kernel crash**: the last writes before it
+/// may be gone. [`SledStoreBuilder::fsync`] adds an `fdatasync` of the database file
+/// after each (group) flush and caps results at [`SledStore::FSYNC_MAX_RESULT_BYTES`]
+/// so no blob file is ever needed: then a call's claim and result are on stable
+/// storage before it goes on.
+///
+/// sled allows one open handle per directory. Inside a process, every
+/// [`SledStore::open`] of the same directory shares one handle; another process that
+/// opens a directory in use gets an [`Error::Store`] within 1.5 seconds (never a hang).
 #[derive(Clone)]
 pub struct SledStore {
     inner: Arc<Inner>,
@@ -179,7 +183,7 @@ impl SledStore {
     pub const FSYNC_MAX_RESULT_BYTES: usize = 120 * 1024;
 
     /// Opens (creating if needed) the store in directory `path`, durable against
-    /// process crashes (see [Durability](self#durability)).
+    /// process crashes (see [Durability](SledStore#durability)).
     ///
     /// Opening a directory this process already has open returns a handle to the same
     /// database. A directory another process holds open is an [`Error::Store`].
