@@ -233,14 +233,20 @@ fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_json::Error> 
 /// reorders a sequence, since sequences are compared as unordered.
 pub(crate) fn reads_back_the_same<T: Replayable>(bytes: &[u8]) -> Result<(), serde_json::Error> {
     let back: T = serde_json::from_slice(bytes)?;
-    let again = serde_json::to_vec(&back)?;
+    same_json(bytes, &serde_json::to_vec(&back)?)
+}
+
+/// Whether `again`, the JSON of a value read back from `bytes`, is the same JSON, up
+/// to the order of map keys and of sequence elements (see [`reads_back_the_same`]).
+/// Not generic: one copy serves every tool.
+fn same_json(bytes: &[u8], again: &[u8]) -> Result<(), serde_json::Error> {
     if again == bytes {
         return Ok(());
     }
     // Maps are compared as maps, and sequences as sorted, by `Value`'s equality.
     let (stored, read): (serde_json::Value, serde_json::Value) = (
         serde_json::from_slice(bytes)?,
-        serde_json::from_slice(&again)?,
+        serde_json::from_slice(again)?,
     );
     if sorted_sequences(stored) == sorted_sequences(read) {
         return Ok(());
@@ -255,7 +261,7 @@ pub(crate) fn reads_back_the_same<T: Replayable>(bytes: &[u8]) -> Result<(), ser
     Err(serde::de::Error::custom(format!(
         "it reads back as another value: {} was read back as {}",
         shown(bytes),
-        shown(&again)
+        shown(again)
     )))
 }
 
@@ -448,9 +454,6 @@ where
         Acquisition::Replay(output) => return Ok(output),
         Acquisition::Owner(owner) => owner,
     };
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return execute_owned::<R, C, _>(call, owner, operation()).await;
-    };
     let key = call.key.clone();
     let ambient = Run::current();
     let operation = operation();
@@ -459,6 +462,10 @@ where
     let life: Life<R> = Box::pin(async move {
         crate::run::in_scope(ambient, execute_owned::<R, C, _>(call, owner, operation)).await
     });
+    // Outside any runtime there is nowhere to finish: a dropped call is settled.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return life.await;
+    };
     Finishing {
         life: Some(life.instrument(tracing::Span::current())),
         key,
