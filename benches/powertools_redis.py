@@ -2,7 +2,7 @@
 README's comparison with idem's Redis store on the same server.
 
     python3 -m venv .venv && .venv/bin/pip install "aws-lambda-powertools[redis]" boto3
-    IDEM_REDIS_URL=redis://127.0.0.1:6379 .venv/bin/python bench/powertools_redis.py
+    IDEM_REDIS_URL=redis://127.0.0.1:6379 .venv/bin/python benches/powertools_redis.py
 
 The input is the same 513-byte email the Rust benches use; the result the same 114-byte
 message id. Prints medians, and one GET round trip from the same client for scale.
