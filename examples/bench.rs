@@ -6,6 +6,7 @@
 //! cargo run --release --example bench
 //! IDEM_REDIS_URL=redis://127.0.0.1:6379 IDEM_POSTGRES_URL=postgres://root@127.0.0.1/test \
 //!     cargo run --release --features postgres,redis --example bench
+//! cargo run --release --features metrics --example bench   # + the cost of observing
 //! ```
 //!
 //! Every figure is measured in this one run, and each compared pair side by side, so
@@ -262,6 +263,10 @@ fn main() {
             Some(("input borrowed (settled if dropped)", borrowed)),
         );
 
+        // With a subscriber and a recorder installed (feature `metrics`).
+        #[cfg(feature = "metrics")]
+        observed::rows(&mut t, n, run, &input).await;
+
         // Sled.
         let dir = tempfile::tempdir().unwrap();
         let store = SledStore::open(dir.path().join("idem")).unwrap();
@@ -458,6 +463,82 @@ fn main() {
 
     t.print();
     println!("\n(whole run: {:.1} s)", started.elapsed().as_secs_f64());
+}
+
+/// What a call costs with its span exported to OpenTelemetry and its metrics
+/// recorded, next to the same call with nothing installed.
+#[cfg(feature = "metrics")]
+mod observed {
+    use super::*;
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// A production-like setup, installed for one batch at a time (for this thread):
+    /// `tracing-opentelemetry` at `info` exporting every span (to memory, emptied after
+    /// each batch), and a Prometheus recorder.
+    struct Installed {
+        dispatch: tracing::Dispatch,
+        recorder: metrics_exporter_prometheus::PrometheusRecorder,
+        exporter: InMemorySpanExporter,
+        _provider: SdkTracerProvider,
+    }
+
+    impl Installed {
+        fn new() -> Self {
+            let exporter = InMemorySpanExporter::default();
+            let provider = SdkTracerProvider::builder()
+                .with_simple_exporter(exporter.clone())
+                .build();
+            let subscriber = tracing_subscriber::registry()
+                .with(tracing_subscriber::filter::LevelFilter::INFO)
+                .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("bench")));
+            Installed {
+                dispatch: tracing::Dispatch::new(subscriber),
+                recorder: metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
+                exporter,
+                _provider: provider,
+            }
+        }
+    }
+
+    /// Medians of `op` with [`Installed`] and without, batches alternating.
+    async fn compare_installed<F: Future>(
+        n: usize,
+        installed: &Installed,
+        mut op: impl FnMut(u64) -> F,
+    ) -> (Duration, Duration) {
+        let (mut i, mut with, mut without) = (0u64, Vec::new(), Vec::new());
+        for _ in 0..BATCHES {
+            {
+                let _tracing = tracing::dispatcher::set_default(&installed.dispatch);
+                let _metrics = metrics::set_default_local_recorder(&installed.recorder);
+                with.push(batch(n, &mut i, &mut op).await);
+            }
+            installed.exporter.reset();
+            without.push(batch(n, &mut i, &mut op).await);
+        }
+        (middle(with), middle(without))
+    }
+
+    pub(super) async fn rows(t: &mut Table, n: usize, run: &Run, input: &scenario::SendEmail) {
+        let installed = Installed::new();
+        let (with, without) = compare_installed(n, &installed, |_| send_email(run, input)).await;
+        t.row(
+            "memory: hit, span exported + metrics",
+            with,
+            Some(("memory: hit, nothing installed", without)),
+        );
+        let (with, without) = compare_installed(n, &installed, |i| async move {
+            std::hint::black_box(send_email(run, &email(i, BODY)).await.unwrap());
+        })
+        .await;
+        t.row(
+            "memory: miss, span exported + metrics",
+            with,
+            Some(("memory: miss, nothing installed", without)),
+        );
+    }
 }
 
 #[cfg(any(feature = "redis", feature = "postgres"))]

@@ -37,6 +37,14 @@
 //! so only a dead process's claim waits out a lease. Inside the body, [`current_key`] gives the key to forward
 //! downstream (Stripe's `Idempotency-Key`).
 //!
+//! ## Seeing what it does
+//!
+//! Every call runs in an `execute_tool` span (OpenTelemetry's GenAI conventions, with
+//! `idem.outcome`: `executed`, `replayed`, ...), so `tracing-opentelemetry` shows it
+//! under the agent's span. [`observe`] tells a caller whether a value was replayed.
+//! The `metrics` feature counts calls by tool and outcome through the `metrics` facade
+//! ([`describe_metrics`] lists them). See `docs/observability.md`.
+//!
 //! ## Options
 //!
 //! Every option, what the attribute accepts and the TTL guidance are on the attribute
@@ -45,10 +53,13 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(feature = "metrics")]
+pub use idem_core::describe_metrics;
 pub use idem_core::sweeper;
 pub use idem_core::{
-    current_key, default_store, default_store_dir, set_default_store, Delivery, Error, Key,
-    LocalCache, MemoryStore, OnBusy, Options, Run, Store,
+    current_key, default_store, default_store_dir, observe, observe_sync, set_default_store,
+    CallOutcome, CallReport, Delivery, Error, Key, LocalCache, MemoryStore, OnBusy, Options, Run,
+    Store,
 };
 #[cfg(feature = "postgres")]
 pub use idem_core::{PostgresStore, PostgresStoreBuilder};

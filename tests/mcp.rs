@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use idem::{idempotent, MemoryStore, Run, Store};
-use mcp::{Mailer, Sent, RUN_META_KEY};
+use mcp::{Mailer, Sent, REPLAYED_META_KEY, RUN_META_KEY};
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
@@ -47,6 +47,21 @@ fn email() -> serde_json::Value {
     json!({"to": "ada@example.com", "subject": "Invoice", "body": "Attached."})
 }
 
+/// Whether the result says it was replayed (`_meta["idem/replayed"]`).
+fn replayed(result: &CallToolResult) -> bool {
+    let flag = result
+        .meta
+        .as_ref()
+        .and_then(|m| m.0.get(REPLAYED_META_KEY));
+    match flag {
+        None => false,
+        Some(flag) => {
+            assert_eq!(flag, &json!(true), "{result:?}");
+            true
+        }
+    }
+}
+
 fn sent(result: &CallToolResult) -> Sent {
     assert_ne!(result.is_error, Some(true), "tool failed: {result:?}");
     let text = result
@@ -78,6 +93,11 @@ async fn same_run_and_arguments_send_once_and_return_the_same_result() {
         first.content, retry.content,
         "the retry gets the same result"
     );
+    assert!(!replayed(&first), "the first call ran: {first:?}");
+    assert!(
+        replayed(&retry),
+        "the retry says it was replayed: {retry:?}"
+    );
 
     // Another run is another agent task: it sends.
     let other = client
@@ -86,6 +106,7 @@ async fn same_run_and_arguments_send_once_and_return_the_same_result() {
         .unwrap();
     assert_eq!(mailer.outbox().len(), 2);
     assert_ne!(sent(&other).message_id, sent(&first).message_id);
+    assert!(!replayed(&other));
 
     // Other arguments in the same run are another call.
     let mut other_email = email();
@@ -117,6 +138,7 @@ async fn a_retry_on_a_new_connection_is_replayed() {
         .unwrap();
     assert_eq!(sent(&first), sent(&retry));
     assert_eq!(mailer.outbox().len(), 1);
+    assert!(replayed(&retry));
     second_session.cancel().await.unwrap();
 }
 
@@ -154,6 +176,10 @@ async fn a_request_the_client_cancels_finishes_and_its_retry_gets_the_result() {
         "msg-0001",
         "the first call's result"
     );
+    assert!(
+        replayed(&retry),
+        "the retry says it was replayed: {retry:?}"
+    );
     assert_eq!(mailer.outbox().len(), 1, "one email");
     client.cancel().await.unwrap();
 }
@@ -171,10 +197,17 @@ async fn concurrent_duplicates_send_once() {
         })
     });
     let mut results = Vec::new();
+    let mut replays = 0;
     for call in calls {
-        results.push(sent(&call.await.unwrap().unwrap()));
+        let result = call.await.unwrap().unwrap();
+        replays += usize::from(replayed(&result));
+        results.push(sent(&result));
     }
     assert_eq!(mailer.outbox().len(), 1);
+    assert_eq!(
+        replays, 7,
+        "all but the call that sent say they were replayed"
+    );
     assert!(results.iter().all(|r| *r == results[0]));
 }
 

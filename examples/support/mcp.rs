@@ -16,7 +16,9 @@ use idem::{idempotent, Error, Run, Store};
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::{schema_for_output, IntoCallToolResult};
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{CallToolResponse, CallToolResult, ErrorData, ServerCapabilities, ServerConfig};
+use rmcp::model::{
+    CallToolResponse, CallToolResult, ErrorData, MetaObject, ServerCapabilities, ServerConfig,
+};
 use rmcp::schemars::JsonSchema;
 use rmcp::service::RequestContext;
 use rmcp::{tool, tool_handler, tool_router, RoleServer, ServerHandler};
@@ -26,6 +28,10 @@ use tokio::sync::watch;
 /// The request `_meta` field that carries the agent's run id. The id must stay the
 /// same across the run's retries, reconnections and server restarts.
 pub const RUN_META_KEY: &str = "idem/run";
+
+/// The result `_meta` field that says the result was replayed: an earlier call with
+/// the same run and arguments ran the tool, and this call returns its result.
+pub const REPLAYED_META_KEY: &str = "idem/replayed";
 
 /// The `send_email` tool's arguments.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -52,9 +58,24 @@ pub struct Sent {
 
 impl IntoCallToolResult for Sent {
     fn into_call_tool_result(self) -> Result<CallToolResponse, ErrorData> {
+        self.into_result(false).map(Into::into)
+    }
+}
+
+impl Sent {
+    /// The tool's result: this receipt as structured content, and, when it was
+    /// replayed (the email was sent by an earlier call, not now),
+    /// `_meta["idem/replayed"] = true`.
+    pub fn into_result(self, replayed: bool) -> Result<CallToolResult, ErrorData> {
         let value = serde_json::to_value(&self)
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
-        Ok(CallToolResult::structured(value).into())
+        let mut result = CallToolResult::structured(value);
+        if replayed {
+            let mut meta = MetaObject::new();
+            meta.0.insert(REPLAYED_META_KEY.to_owned(), true.into());
+            result.meta = Some(meta);
+        }
+        Ok(result)
     }
 }
 
@@ -142,7 +163,8 @@ impl Mailer {
 #[tool_router]
 impl Mailer {
     /// Send an email. Retrying with the same run id and arguments returns the first
-    /// result without sending again; so does a retry after the request was lost.
+    /// result without sending again; so does a retry after the request was lost. A
+    /// replayed result says so in its `_meta["idem/replayed"]`.
     #[tool(
         description = "Send an email. Retries with the same run id (_meta[\"idem/run\"]) and arguments send it once.",
         annotations(idempotent_hint = true, destructive_hint = false, read_only_hint = false),
@@ -152,10 +174,12 @@ impl Mailer {
         &self,
         Parameters(email): Parameters<SendEmail>,
         ctx: RequestContext<RoleServer>,
-    ) -> Result<Sent, ErrorData> {
+    ) -> Result<CallToolResult, ErrorData> {
         let cancelled = ctx.ct.clone();
         tokio::select! {
-            sent = self.deliver(email, ctx) => sent,
+            (sent, call) = idem::observe(self.deliver(email, ctx)) => {
+                sent?.into_result(call.is_some_and(|call| call.replayed()))
+            }
             () = cancelled.cancelled() => {
                 tracing::info!("send_email: the request was cancelled; the email finishes in the background");
                 Err(ErrorData::internal_error("request cancelled", None))

@@ -289,6 +289,30 @@ impl Error {
             | Error::Store { .. } => None,
         }
     }
+
+    /// The variant's name in snake case (`payload_mismatch`, `outcome_unknown`, `store`,
+    /// ...): a fixed, low-cardinality class of the error, for logs and metric labels.
+    /// It is the `error.type` of the call's span.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::NoRun { .. } => "no_run",
+            Error::NoStore => "no_store",
+            Error::PayloadMismatch { .. } => "payload_mismatch",
+            Error::InProgress { .. } => "in_progress",
+            Error::OutcomeUnknown { .. } => "outcome_unknown",
+            Error::LostLease { .. } => "lost_lease",
+            Error::MaxRunExceeded { .. } => "max_run_exceeded",
+            Error::Input { .. } => "input",
+            Error::Output { .. } => "output",
+            Error::ResultTooLarge { .. } => "result_too_large",
+            Error::Unreplayable { .. } => "unreplayable",
+            Error::StoredResult { .. } => "stored_result",
+            Error::CorruptRecord { .. } => "corrupt_record",
+            Error::UnsupportedFormat { .. } => "unsupported_format",
+            Error::Random { .. } => "random",
+            Error::Store { .. } => "store",
+        }
+    }
 }
 
 /// A store's failure as people read it, keeping the error it came from as its

@@ -28,6 +28,7 @@ use crate::error::Human;
 use crate::options::Options;
 use crate::record::Token;
 use crate::store::{Fenced, Store};
+use crate::telemetry::store_op;
 use crate::timer::{self, Periodic};
 use crate::{background, Error, Key};
 
@@ -235,10 +236,10 @@ impl Periodic for Entry {
         let runtime = self.runtime.clone();
         background::detach(
             async move {
-                let renewed = self
+                let renewing = self
                     .store
-                    .renew(&self.key, self.token, self.lease, self.ttl)
-                    .await;
+                    .renew(&self.key, self.token, self.lease, self.ttl);
+                let renewed = store_op(self.store.name(), "renew", renewing).await;
                 self.renewed(renewed);
             },
             runtime.as_ref(),

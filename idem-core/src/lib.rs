@@ -12,6 +12,7 @@
 //! | the protocol (claim → run → complete / release) | `protocol.rs` (private; the attribute's way in) |
 //! | per-tool options (TTL, lease, waiting, delivery) | [`Options`] |
 //! | the run context, `current_key`, the default store | [`Run`], [`current_key`], [`default_store`] |
+//! | a call's span, metrics and outcome ([`observe`]) | `telemetry.rs` ([`CallOutcome`], [`CallReport`]) |
 //! | the stores | [`MemoryStore`], [`SledStore`], `PostgresStore` (feature `postgres`), `RedisStore` (feature `redis`) |
 //! | replaying this process's results from memory, in front of a shared store | [`LocalCache`] |
 //! | removing expired records in the background | [`sweeper`] |
@@ -19,7 +20,9 @@
 //!
 //! # Logging
 //!
-//! idem logs through [`tracing`]: `debug` for misses, hits and short waits; `info` for a
+//! Every call runs in an `execute_tool` span (OpenTelemetry's GenAI conventions, with
+//! `idem.outcome`); see `telemetry.rs` and `docs/observability.md`. Inside it, idem
+//! logs through [`tracing`]: `debug` for misses, hits and short waits; `info` for a
 //! takeover after a crash, a wait that lasts (over a second), and a claim settled because
 //! its call was dropped or panicked; `warn` for payload mismatches, lost leases, failed
 //! renewals, bodies stopped at `max_run` and unknown outcomes; `error` for a body that
@@ -42,6 +45,7 @@ mod run;
 pub mod store;
 pub mod sweeper;
 mod sync;
+mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod timer;
@@ -65,6 +69,9 @@ pub use store::redis::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sled")]
 pub use store::sled::{SledStore, SledStoreBuilder};
 pub use store::Store;
+#[cfg(feature = "metrics")]
+pub use telemetry::describe_metrics;
+pub use telemetry::{observe, observe_sync, CallOutcome, CallReport};
 
 /// What the `#[idempotent]` attribute's code calls, through the `idem` facade. Not
 /// public API: it may change in any release.

@@ -67,6 +67,7 @@ use crate::options::{Delivery, Options};
 use crate::record::{Timestamp, Token};
 use crate::run::CURRENT_KEY;
 use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::telemetry::{self, store_op, Handover, Report, Tally};
 use crate::wait::{self, AsyncPause, BlockingPause, Pause};
 use crate::{Error, Key, Run};
 
@@ -154,6 +155,8 @@ pub trait ToolOutput: Sized {
     fn into_result(self) -> Result<Self::Ok, Self::Err>;
     /// Rebuilds the output.
     fn from_result(result: Result<Self::Ok, Self::Err>) -> Self;
+    /// Whether the output is the tool's error.
+    fn failed(&self) -> bool;
 }
 
 impl<T: Replayable, E> ToolOutput for Result<T, E> {
@@ -164,6 +167,9 @@ impl<T: Replayable, E> ToolOutput for Result<T, E> {
     }
     fn from_result(result: Result<T, E>) -> Self {
         result
+    }
+    fn failed(&self) -> bool {
+        self.is_err()
     }
 }
 
@@ -296,6 +302,8 @@ pub struct Call {
     key: Key,
     fingerprint: Fingerprint,
     options: Options,
+    /// Its span, and what the protocol learns on the way (see [`telemetry`]).
+    tally: Tally,
 }
 
 impl Call {
@@ -373,8 +381,10 @@ impl Call {
             call_id: run.call_id(),
             tool,
         })?;
+        let key = Key::of(tool, &key_fingerprint);
         Ok(Call {
-            key: Key::of(tool, &key_fingerprint),
+            tally: Tally::new(tool, &key, &run),
+            key,
             run,
             tool: tool.into(),
             fingerprint,
@@ -413,17 +423,24 @@ where
     C: ErrorPolicy<R::Err>,
     Fut: Future<Output = R>,
 {
-    let call = call?;
-    let owner = match acquire::<R, C, AsyncPause>(&call).await? {
-        Acquisition::Replay(output) => return Ok(output),
-        Acquisition::Owner(owner) => owner,
-    };
-    let mut output = None;
-    let owned = {
-        let body = std::pin::pin!(Some(body::<R, C, _>(&call.key, operation, &mut output)));
-        own(&call, &owner, body).await
-    };
-    owned.and_then(|()| ran(output))
+    let call = started(call)?;
+    let span = call.tally.span().clone();
+    async move {
+        let report = Report::start(&call.tool, &call.key, &call.tally);
+        match acquire::<R, C, AsyncPause>(&call, report).await? {
+            Acquisition::Replay(output) => Ok(output),
+            Acquisition::Owner(owner, report) => {
+                run_owned::<R, C, _>(&call, owner, report, operation).await
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// The call, or its refusal, reported.
+fn started(call: Result<Call, Error>) -> Result<Call, Error> {
+    call.inspect_err(telemetry::rejected)
 }
 
 /// [`execute`] for an operation that can run on its own (`Send + 'static`): if the
@@ -449,33 +466,61 @@ where
     C: ErrorPolicy<R::Err> + 'static,
     Fut: FinishesAlone<Output = R>,
 {
-    let call = call?;
-    let owner = match acquire::<R, C, AsyncPause>(&call).await? {
-        Acquisition::Replay(output) => return Ok(output),
-        Acquisition::Owner(owner) => owner,
-    };
-    let key = call.key.clone();
-    let ambient = Run::current();
-    let operation = operation();
-    // The owner's part is made inside its box, on first poll: not built on the stack
-    // and copied in (it is large, and a miss pays for every copy).
-    let life: Life<R> = Box::pin(async move {
-        crate::run::in_scope(ambient, execute_owned::<R, C, _>(call, owner, operation)).await
-    });
-    // Outside any runtime there is nowhere to finish: a dropped call is settled.
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return life.await;
-    };
-    Finishing {
-        life: Some(life.instrument(tracing::Span::current())),
-        key,
-        runtime,
+    let call = started(call)?;
+    let span = call.tally.span().clone();
+    async move {
+        let report = Report::start(&call.tool, &call.key, &call.tally);
+        let (owner, handover) = match acquire::<R, C, AsyncPause>(&call, report).await? {
+            Acquisition::Replay(output) => return Ok(output),
+            Acquisition::Owner(owner, report) => (owner, report.handover()),
+        };
+        let key = call.key.clone();
+        let ambient = Run::current();
+        let operation = operation();
+        // The owner's part is made inside its box, on first poll: not built on the stack
+        // and copied in (it is large, and a miss pays for every copy).
+        let life: Life<R> = Box::pin(async move {
+            let owned = execute_owned::<R, C, _>(call, owner, handover, operation);
+            crate::run::in_scope(ambient, owned).await
+        });
+        // Outside any runtime there is nowhere to finish: a dropped call is settled.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return life.await;
+        };
+        Finishing {
+            life: Some(life.instrument(tracing::Span::current())),
+            key,
+            runtime,
+        }
+        .await
     }
+    .instrument(span)
     .await
 }
 
 /// The owner's part of [`execute_finishing`], owning all it needs.
-async fn execute_owned<R, C, Fut>(call: Call, owner: Owner, operation: Fut) -> Result<R, Error>
+async fn execute_owned<R, C, Fut>(
+    call: Call,
+    owner: Owner,
+    handover: Handover,
+    operation: Fut,
+) -> Result<R, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    Fut: Future<Output = R>,
+{
+    let report = Report::resume(&call.tool, &call.key, &call.tally, handover);
+    run_owned::<R, C, _>(&call, owner, report, operation).await
+}
+
+/// The owner's part of a call: runs the body (see [`own`]) and reports how it ended.
+async fn run_owned<R, C, Fut>(
+    call: &Call,
+    owner: Owner,
+    report: Report<'_>,
+    operation: Fut,
+) -> Result<R, Error>
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
@@ -484,9 +529,16 @@ where
     let mut output = None;
     let owned = {
         let body = std::pin::pin!(Some(body::<R, C, _>(&call.key, operation, &mut output)));
-        own(&call, &owner, body).await
+        own(call, &owner, body).await
     };
-    owned.and_then(|()| ran(output))
+    ended(report, owned.and_then(|()| ran(output)))
+}
+
+/// `result`, the end of an owner's call, once reported.
+fn ended<R: ToolOutput>(report: Report<'_>, result: Result<R, Error>) -> Result<R, Error> {
+    let failed = result.as_ref().map(ToolOutput::failed);
+    report.ran(failed, std::any::type_name::<R::Err>());
+    result
 }
 
 /// A body that can go on in a task of its own after its caller stops waiting: `Send`
@@ -583,20 +635,22 @@ where
     C: ErrorPolicy<R::Err>,
     F: FnOnce() -> R,
 {
-    let call = call?;
+    let call = started(call)?;
+    let _span = call.tally.span().enter();
     let _blocking = crate::blocking::InSyncTool::enter();
-    let owner = match pollster::block_on(acquire::<R, C, BlockingPause>(&call))? {
+    let report = Report::start(&call.tool, &call.key, &call.tally);
+    let (owner, report) = match pollster::block_on(acquire::<R, C, BlockingPause>(&call, report))? {
         Acquisition::Replay(output) => return Ok(output),
-        Acquisition::Owner(owner) => owner,
+        Acquisition::Owner(owner, report) => (owner, report),
     };
     let mut output = None;
     let mut operation = Some(operation);
     let key = &call.key;
-    own_blocking(&call, &owner, &mut || {
+    let owned = own_blocking(&call, &owner, &mut || {
         let result = operation.take().map(|operation| operation().into_result());
         result.map(|result| prepare::<R, C>(key, result, &mut output))
-    })
-    .and_then(|()| ran(output))
+    });
+    ended(report, owned.and_then(|()| ran(output)))
 }
 
 /// The tool's body, made ready for the shared code: runs `operation`, leaves its output
@@ -662,20 +716,53 @@ where
 
 /// Acquires the call's key for a tool whose output is `R`: decodes a stored outcome to
 /// replay, or claims the key (see [`claim`]).
-async fn acquire<R, C, P>(call: &Call) -> Result<Acquisition<R>, Error>
+///
+/// Reports a call that ends here (a replay, or an error); an owner carries its
+/// `report` on.
+async fn acquire<'a, R, C, P>(
+    call: &'a Call,
+    report: Report<'a>,
+) -> Result<Acquisition<'a, R>, Error>
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
     P: Pause,
 {
-    let store = call.run.store_ref()?;
-    if let Some(replayed) = hit::<R, C>(call, &**store) {
-        return replayed.map(Acquisition::Replay);
+    let claimed = match call.run.store_ref() {
+        Ok(store) => {
+            call.tally.store(store.name());
+            if let Some(replayed) = hit::<R, C>(call, &**store) {
+                return replay(report, replayed);
+            }
+            claim::<P>(call, store, C::STORED.is_some()).await
+        }
+        Err(error) => Err(error),
+    };
+    match claimed {
+        Ok(Claimed::Owner(owner)) => Ok(Acquisition::Owner(owner, report)),
+        Ok(Claimed::Stored { bytes, failed }) => {
+            replay(report, decode::<R, C>(&call.key, &bytes, failed))
+        }
+        Err(error) => {
+            report.refused(&error);
+            Err(error)
+        }
     }
-    match claim::<P>(call, store, C::STORED.is_some()).await? {
-        Claimed::Owner(owner) => Ok(Acquisition::Owner(owner)),
-        Claimed::Stored { bytes, failed } => {
-            decode::<R, C>(&call.key, &bytes, failed).map(Acquisition::Replay)
+}
+
+/// A stored outcome, decoded for the caller (or the error decoding it gave), reported.
+fn replay<'a, R: ToolOutput>(
+    report: Report<'a>,
+    replayed: Result<R, Error>,
+) -> Result<Acquisition<'a, R>, Error> {
+    match replayed {
+        Ok(output) => {
+            report.replayed(output.failed(), std::any::type_name::<R::Err>());
+            Ok(Acquisition::Replay(output))
+        }
+        Err(error) => {
+            report.refused(&error);
+            Err(error)
         }
     }
 }
@@ -697,10 +784,11 @@ where
     hit
 }
 
-/// What an acquired key gives the caller: the stored outcome, or the claim.
-enum Acquisition<R> {
+/// What an acquired key gives the caller: the stored outcome, or the claim (and the
+/// call's report, to go on with).
+enum Acquisition<'a, R> {
     Replay(R),
-    Owner(Owner),
+    Owner(Owner, Report<'a>),
 }
 
 // The shared part, compiled once.
@@ -829,8 +917,13 @@ async fn claim_loop<P: Pause>(
             }
         };
         match claim {
+            Claim::Busy { .. } => {}
+            _ => waiting.done(),
+        }
+        match claim {
             Claim::Acquired { took_over } => {
                 if took_over {
+                    call.tally.took_over();
                     tracing::info!(tool = %call.tool, %key, "idem: an earlier claim ran out (its owner stopped renewing it); taking over and running again");
                 } else {
                     tracing::debug!(tool = %call.tool, %key, "idem: miss, running");
@@ -875,7 +968,7 @@ type ClaimFuture = Pin<Box<dyn Future<Output = Result<Claim, Error>> + Send>>;
 
 fn claim_owned(store: &Arc<dyn Store>, key: &Key, request: ClaimRequest) -> ClaimFuture {
     let (store, key) = (Arc::clone(store), key.clone());
-    Box::pin(async move { store.claim(&key, &request).await })
+    Box::pin(async move { store_op(store.name(), "claim", store.claim(&key, &request)).await })
 }
 
 /// A claim request under way; dropped before its answer, it finishes in the
@@ -981,6 +1074,13 @@ impl<'a> Waiting<'a> {
         }
     }
 
+    /// The wait is over: the call's tally learns how long it took, if it waited.
+    fn done(&self) {
+        if let Some(started) = self.started {
+            self.call.tally.waited(started.elapsed());
+        }
+    }
+
     /// Waits a little for the claim held until `lease_until` (woken at once by an owner
     /// in this process), or returns [`Error::InProgress`] when the call may wait no more.
     async fn pause<P: Pause>(&mut self, lease_until: Timestamp) -> Result<(), Error> {
@@ -990,6 +1090,7 @@ impl<'a> Waiting<'a> {
         let budget = match call.options.max_wait() {
             Some(max) if waited < max => max - waited,
             _ => {
+                self.done();
                 tracing::debug!(tool = %call.tool, %key, "idem: in progress elsewhere, not waiting longer");
                 return Err(Error::InProgress {
                     key: key.clone(),
@@ -1242,6 +1343,7 @@ impl<'a> Settle<'a> {
 
     /// The body panicked: settles the claim, then lets the panic go on, unchanged.
     async fn panicked<T>(self, payload: Box<dyn Any + Send>) -> T {
+        self.0.call.tally.panicked();
         tracing::error!(tool = %self.0.call.tool, key = %self.0.call.key, "idem: the body panicked; settling its claim");
         self.settle("panicked").await;
         panic::resume_unwind(payload)
@@ -1261,12 +1363,13 @@ async fn settle(
     let release = matches!(how, Settling::Release) || options.delivery == Delivery::AtLeastOnce;
     let (settled, outcome) = if release {
         (
-            store.release(key, token).await,
+            store_op(store.name(), "release", store.release(key, token)).await,
             "released: a retry runs again",
         )
     } else {
+        let renewing = store.renew(key, token, Duration::ZERO, options.ttl);
         (
-            store.renew(key, token, Duration::ZERO, options.ttl).await,
+            store_op(store.name(), "renew", renewing).await,
             "recorded as outcome unknown (at-most-once)",
         )
     };
@@ -1320,14 +1423,17 @@ async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Resul
     };
     // Armed while the completion is out: dropped there, the claim is settled (fenced: a
     // no-op if the completion landed).
-    let completed = store
-        .complete(
+    let completed = store_op(
+        store.name(),
+        "complete",
+        store.complete(
             key,
             guard.0.token,
             outcome(&bytes, failed),
             call.options.ttl,
-        )
-        .await;
+        ),
+    )
+    .await;
     match completed {
         Ok(Fenced::Applied) => {
             guard.0.disarm();
@@ -1345,6 +1451,7 @@ async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Resul
             // background takes over the claim's settling from here.
             tracing::warn!(tool = %call.tool, %key, %error, "idem: the body ran, but the store failed to record its outcome; returning the body's value, and trying to record it again in the background");
             guard.0.disarm();
+            call.tally.unrecorded();
             record_late(call, Arc::clone(store), guard.0.token, bytes, failed);
             Ok(())
         }
@@ -1402,10 +1509,8 @@ fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>,
     let late = async move {
         for delay in RECORD_AGAIN {
             crate::timer::sleep_until(std::time::Instant::now() + delay).await;
-            match store
-                .complete(&key, token, outcome(&bytes, failed), options.ttl)
-                .await
-            {
+            let completing = store.complete(&key, token, outcome(&bytes, failed), options.ttl);
+            match store_op(store.name(), "complete", completing).await {
                 Ok(Fenced::Applied) => {
                     tracing::info!(%tool, %key, "idem: an outcome the store failed to take is now recorded");
                     wait::notify(&key);

@@ -181,6 +181,12 @@ pub trait Store: Send + Sync + 'static {
         DEFAULT_MAX_RESULT_BYTES
     }
 
+    /// A short fixed name of the kind of store (`memory`, `sled`, `postgres`, `redis`),
+    /// for spans and metric labels (`idem.store`, `store`). Default: `custom`.
+    fn name(&self) -> &'static str {
+        "custom"
+    }
+
     /// The hit path without a claim: calls `replay` with the stored result if `key`
     /// holds a live, completed record for `fingerprint` and the store can tell at once,
     /// without waiting on I/O. Otherwise it does not call `replay`, and the caller goes
@@ -257,6 +263,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn max_result_bytes(&self) -> usize {
         (**self).max_result_bytes()
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
     }
     fn with_completed_result(
         &self,

@@ -330,6 +330,11 @@ impl<S: Store> Store for LocalCache<S> {
         self.inner.max_result_bytes()
     }
 
+    /// The shared store's name: claims and completions are its operations.
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
     fn with_completed_result(
         &self,
         key: &Key,

@@ -121,6 +121,10 @@ impl std::fmt::Debug for MemoryStore {
 
 #[async_trait]
 impl Store for MemoryStore {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         let mut map = sync::write(self.shard(key));
         let (claim, new) = decide_claim(map.get(key).map(|r| &**r), request, Timestamp::now());

@@ -504,6 +504,10 @@ const CLAIM_ATTEMPTS: usize = 64;
 
 #[async_trait]
 impl Store for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         self.bounded(async {
             let client = self.client().await?;

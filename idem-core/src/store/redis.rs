@@ -423,6 +423,10 @@ impl std::fmt::Debug for RedisStore {
 
 #[async_trait]
 impl Store for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         // The record lives one TTL past the lease.
         let ttl = px(request.lease.saturating_add(request.ttl));

@@ -578,6 +578,10 @@ impl std::fmt::Debug for SledStore {
 
 #[async_trait]
 impl Store for SledStore {
+    fn name(&self) -> &'static str {
+        "sled"
+    }
+
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         let (claim, ticket) = self.update(key, true, |current, now| {
             let (claim, write) = decide_claim(current, request, now);
