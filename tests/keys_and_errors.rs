@@ -649,11 +649,14 @@ async fn a_result_that_cannot_be_read_back_is_refused_at_the_first_call_and_neve
 
 /// A real store whose `complete` fails the first `failures` times, as a store does that
 /// goes away (or fills its disk) between the claim and the completion; and whose
-/// `claim` fails the first `claim_failures` times.
+/// `claim` fails the first `claim_failures` times; and whose `renew` fails the first
+/// `renew_failures` times (counting every renewal asked for in `renewals`).
 struct Faulty {
     inner: Arc<dyn Store>,
     failures: AtomicUsize,
     claim_failures: AtomicUsize,
+    renew_failures: AtomicUsize,
+    renewals: AtomicUsize,
 }
 
 impl Faulty {
@@ -662,6 +665,8 @@ impl Faulty {
             inner,
             failures: AtomicUsize::new(failures),
             claim_failures: AtomicUsize::new(0),
+            renew_failures: AtomicUsize::new(0),
+            renewals: AtomicUsize::new(0),
         }
     }
 }
@@ -702,6 +707,10 @@ impl Store for Faulty {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Fenced, Error> {
+        self.renewals.fetch_add(1, Ordering::SeqCst);
+        if take_one(&self.renew_failures) {
+            return Err(Error::store("failing", "connection reset"));
+        }
         self.inner.renew(key, token, lease, ttl).await
     }
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
@@ -833,4 +842,33 @@ fn a_claim_the_store_fails_outside_a_runtime_is_an_error_at_once() {
             .unwrap(),
         "receipt-1"
     );
+}
+
+#[idempotent(lease = "300ms")]
+async fn long_report(id: u32) -> Result<u32, Error> {
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    Ok(id)
+}
+
+/// A store that fails renewals: each failed renewal is tried again once, soon, and the
+/// claim's schedule goes on from there. It must not add a second round of renewals per
+/// failure (they would multiply while the store is down).
+#[tokio::test]
+async fn renewals_a_store_fails_are_retried_at_a_steady_pace() {
+    for failures in [0, 3, usize::MAX] {
+        let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), 0));
+        store.renew_failures.store(failures, Ordering::SeqCst);
+        let run = Run::new("renewals").with_shared_store(store.clone());
+        let started = Instant::now();
+        assert_eq!(run.scope(long_report(7)).await.unwrap(), 7);
+        let took = started.elapsed();
+        // One renewal a third of a lease (100 ms), a retry half of that after a failure:
+        // at most one every 50 ms, whatever fails.
+        let most = (took.as_millis() / 50 + 2) as usize;
+        let renewals = store.renewals.load(Ordering::SeqCst);
+        assert!(
+            (10..=most).contains(&renewals),
+            "{failures} failures: {renewals} renewals in {took:?} (at most {most})"
+        );
+    }
 }

@@ -23,7 +23,8 @@ use tracing_subscriber::registry::LookupSpan;
 
 // ----- The capturing layer ------------------------------------------------------
 
-/// A span that closed: its name, fields, parent's name and the events inside it.
+/// A span that closed: its name, fields, parent's name and the events inside it (each
+/// with all its fields, written out).
 #[derive(Debug, Clone, Default)]
 struct Closed {
     name: &'static str,
@@ -105,11 +106,13 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
         };
         let mut fields = BTreeMap::new();
         event.record(&mut Fields(&mut fields));
+        let mut written = fields.remove("message").unwrap_or_default();
+        for (name, value) in fields {
+            written.push_str(&format!(" {name}={value}"));
+        }
         let mut extensions = span.extensions_mut();
         if let Some(closed) = extensions.get_mut::<Closed>() {
-            closed
-                .events
-                .push(fields.remove("message").unwrap_or_default());
+            closed.events.push(written);
         }
     }
 
@@ -730,5 +733,259 @@ fn opentelemetry_exports_the_call_under_the_agents_span() {
     assert_eq!(
         attribute(calls[2], "error.type").as_deref(),
         Some("outcome_unknown")
+    );
+}
+
+// ----- What a hostile caller does -------------------------------------------------
+
+#[test]
+fn a_call_dropped_while_its_caller_panics_is_cancelled_not_a_panic() {
+    let capture = Capture::default();
+    let provider = Provider::default();
+    let run = run();
+    with_capture(&capture, async {
+        let owner = run.scope(send_email(
+            provider.clone(),
+            email("gil@example.com"),
+            Duration::from_millis(300),
+        ));
+        let owner = tokio::spawn(owner);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (run, provider) = (run.clone(), provider.clone());
+        let agent = tokio::spawn(async move {
+            let mut waiting = Box::pin(run.scope(send_email(
+                provider,
+                email("gil@example.com"),
+                Duration::from_millis(300),
+            )));
+            let pending = futures_poll_once(waiting.as_mut()).await;
+            assert!(pending, "the duplicate waits for the first call");
+            panic!("the agent's own bug, unrelated to the tool");
+        });
+        assert!(agent.await.unwrap_err().is_panic());
+        owner.await.unwrap().unwrap();
+    });
+    let mut outcomes = capture.outcomes("send_email");
+    outcomes.sort();
+    assert_eq!(outcomes, ["cancelled", "executed"]);
+    let cancelled = capture
+        .calls("send_email")
+        .into_iter()
+        .find(|s| s.outcome() == "cancelled")
+        .unwrap();
+    assert_eq!(cancelled.field("error.type"), Some("cancelled"));
+    // It waited before it was dropped, and says how long.
+    assert!(
+        cancelled.field("idem.wait_seconds").is_some(),
+        "{cancelled:?}"
+    );
+}
+
+/// Polls `future` once; whether it is still pending.
+async fn futures_poll_once<F: std::future::Future>(mut future: std::pin::Pin<&mut F>) -> bool {
+    std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_pending())).await
+}
+
+/// A store whose code panics when asked to claim.
+struct Panicking;
+
+#[async_trait]
+impl Store for Panicking {
+    async fn claim(&self, _: &Key, _: &ClaimRequest) -> Result<Claim, Error> {
+        panic!("a bug in the store's claim");
+    }
+    async fn complete(
+        &self,
+        _: &Key,
+        _: Token,
+        _: Outcome<'_>,
+        _: Duration,
+    ) -> Result<Fenced, Error> {
+        Err(down())
+    }
+    async fn release(&self, _: &Key, _: Token) -> Result<Fenced, Error> {
+        Err(down())
+    }
+    async fn renew(&self, _: &Key, _: Token, _: Duration, _: Duration) -> Result<Fenced, Error> {
+        Err(down())
+    }
+    async fn get(&self, _: &Key) -> Result<Option<Record>, Error> {
+        Err(down())
+    }
+    async fn delete(&self, _: &Key) -> Result<bool, Error> {
+        Err(down())
+    }
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        Err(down())
+    }
+}
+
+#[test]
+fn a_store_that_panics_is_a_store_error_and_nothing_runs() {
+    let capture = Capture::default();
+    let provider = Provider::default();
+    let charged = with_capture(&capture, async {
+        Run::new("agent-run")
+            .with_store(Panicking)
+            .scope(charge(provider.clone(), 100, false))
+            .await
+    });
+    assert!(matches!(charged, Err(Error::Store { .. })), "{charged:?}");
+    assert_eq!(provider.delivered(), 0);
+    let span = &capture.calls("charge")[0];
+    assert_eq!(span.outcome(), "store_error");
+    assert_eq!(span.field("error.type"), Some("store"));
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+enum Amount {
+    Float(f64),
+    Int(u64),
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Quote {
+    token: String,
+    amount: Amount,
+}
+
+/// Its result does not read back as itself (`Int(1)` reads back as `Float(1.0)`).
+#[idempotent(name = "quote", skip = [provider])]
+async fn quote(provider: Provider, customer: String) -> Result<Quote, Error> {
+    provider.deliver();
+    let _ = customer;
+    Ok(Quote {
+        token: "tok-RESULT-9999".into(),
+        amount: Amount::Int(1),
+    })
+}
+
+/// Serializing it fails with a message that quotes it.
+struct Secret(&'static str);
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(format!(
+            "cannot serialize {}",
+            self.0
+        )))
+    }
+}
+
+#[idempotent(name = "bad_input")]
+async fn bad_input(secret: Secret) -> Result<u32, Error> {
+    let _ = secret.0;
+    Ok(1)
+}
+
+#[test]
+fn neither_the_input_nor_the_result_reaches_a_span_or_an_event() {
+    let capture = Capture::default();
+    let provider = Provider::default();
+    let run = run();
+    let (quoted, refused) = with_capture(&capture, async {
+        let quoted = run.scope(quote(provider.clone(), "ada".into())).await;
+        let refused = run.scope(bad_input(Secret("sk-live-INPUT-4242"))).await;
+        (quoted, refused)
+    });
+    // The caller's errors keep the whole story.
+    let quoted = quoted.unwrap_err();
+    assert!(matches!(quoted, Error::Unreplayable { .. }), "{quoted:?}");
+    assert!(quoted.to_string().contains("tok-RESULT-9999"), "{quoted}");
+    assert!(refused
+        .unwrap_err()
+        .to_string()
+        .contains("sk-live-INPUT-4242"));
+    // The telemetry does not.
+    let spans = [capture.calls("quote"), capture.calls("bad_input")].concat();
+    assert_eq!(spans.len(), 2);
+    assert_eq!(spans[0].field("error.type"), Some("unreplayable"));
+    assert_eq!(spans[1].outcome(), "rejected");
+    assert_eq!(spans[1].field("error.type"), Some("input"));
+    assert_eq!(spans[1].field("gen_ai.tool.call.id"), Some("call-7"));
+    for span in &spans {
+        assert!(!span.events.is_empty(), "{span:?}");
+        for text in span.fields.values().chain(&span.events) {
+            assert!(
+                !text.contains("RESULT") && !text.contains("INPUT"),
+                "{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_fail_fast_call_that_never_waited_has_no_wait() {
+    let capture = Capture::default();
+    let provider = Provider::default();
+    let run = run();
+    let busy = with_capture(&capture, async {
+        let first = run.scope(notify(provider.clone(), "bo".into(), "hi".into()));
+        let second = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            run.scope(notify(provider.clone(), "bo".into(), "hi".into()))
+                .await
+        };
+        tokio::join!(first, second).1
+    });
+    assert!(matches!(busy, Err(Error::InProgress { .. })), "{busy:?}");
+    let span = capture
+        .calls("notify")
+        .into_iter()
+        .find(|s| s.outcome() == "in_progress")
+        .unwrap();
+    assert_eq!(span.field("idem.wait_seconds"), None, "{span:?}");
+}
+
+#[tokio::test]
+async fn observe_skips_a_call_it_stopped_waiting_for_and_reports_the_next() {
+    let provider = Provider::default();
+    let run = run();
+    let call = || {
+        run.scope(send_email(
+            provider.clone(),
+            email("hal@example.com"),
+            Duration::from_millis(200),
+        ))
+    };
+    let (retry, report) = idem::observe(async {
+        // The agent's timeout drops the first call; it finishes in the background.
+        assert!(tokio::time::timeout(Duration::from_millis(30), call())
+            .await
+            .is_err());
+        call().await
+    })
+    .await;
+    assert_eq!(retry, Ok("msg-1".into()));
+    let report = report.expect("the retry is reported");
+    assert_eq!(report.outcome(), CallOutcome::WaitedThenReplayed);
+    assert!(report.waited().is_some());
+    assert_eq!(provider.delivered(), 1);
+
+    // An observe inside another reports to both.
+    let ((_, inner), outer) = idem::observe(idem::observe(call())).await;
+    assert!(inner.unwrap().replayed());
+    assert!(outer.unwrap().replayed());
+}
+
+#[test]
+fn the_heartbeats_events_fire_inside_the_span() {
+    let capture = Capture::default();
+    let provider = Provider::default();
+    let run = run();
+    let dispatch = capture.dispatch();
+    let stuck = tracing::dispatcher::with_default(&dispatch, || {
+        run.sync_scope(|| export(provider.clone(), 11, Duration::from_millis(300)))
+    });
+    // Nobody took it over: its late result is still recorded.
+    assert_eq!(stuck.unwrap(), 1);
+    let span = &capture.calls("export")[0];
+    assert!(
+        span.events
+            .iter()
+            .any(|e| e.contains("ran past its max_run")),
+        "{:?}",
+        span.events
     );
 }

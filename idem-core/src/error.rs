@@ -315,6 +315,41 @@ impl Error {
     }
 }
 
+/// An error as idem logs it: its `Display`, less what may quote the input or the
+/// result (the serializer's message of an input or output error, the JSON of a result
+/// that does not read back). idem never logs inputs or results; the caller's error
+/// keeps the whole message.
+pub(crate) struct Logged<'a>(pub(crate) &'a Error);
+
+impl fmt::Display for Logged<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const LEFT_OUT: &str = "(the details, which may quote it, are in the caller's error)";
+        match self.0 {
+            Error::Input { tool, .. } => write!(
+                f,
+                "input of tool `{tool}` cannot be serialized into an idempotency key {LEFT_OUT}"
+            ),
+            Error::Output { key, .. } => {
+                write!(
+                    f,
+                    "result for key `{key}` cannot be serialized for storage {LEFT_OUT}"
+                )
+            }
+            Error::Unreplayable { tool, key, .. } => write!(
+                f,
+                "the result of tool `{tool}` (key `{key}`) cannot be stored: a retry could not \
+                 read it back as the same value {LEFT_OUT}"
+            ),
+            Error::StoredResult { key, .. } => write!(
+                f,
+                "stored result for key `{key}` does not deserialize into the tool's return \
+                 type {LEFT_OUT}"
+            ),
+            other => fmt::Display::fmt(other, f),
+        }
+    }
+}
+
 /// A store's failure as people read it, keeping the error it came from as its
 /// [`source`](StdError::source): what `{}` prints says why (the server's message and
 /// code, the OS error), and an error reporter can still walk the original chain.

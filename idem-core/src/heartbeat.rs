@@ -28,7 +28,7 @@ use crate::error::Human;
 use crate::options::Options;
 use crate::record::Token;
 use crate::store::{Fenced, Store};
-use crate::telemetry::store_op;
+use crate::telemetry::{in_span, store_op};
 use crate::timer::{self, Periodic};
 use crate::{background, Error, Key};
 
@@ -44,6 +44,8 @@ pub(crate) struct Lease<'a> {
     pub(crate) tool: &'a Arc<str>,
     pub(crate) token: Token,
     pub(crate) options: &'a Options,
+    /// The call's span, which the heartbeat's events go in.
+    pub(crate) span: &'a tracing::Span,
 }
 
 /// How a body driven with its heartbeat ended.
@@ -98,6 +100,7 @@ struct Entry {
     store: Arc<dyn Store>,
     key: Key,
     tool: Arc<str>,
+    span: tracing::Span,
     token: Token,
     lease: Duration,
     ttl: Duration,
@@ -122,6 +125,7 @@ impl Beat {
             store: Arc::clone(lease.store),
             key: lease.key.clone(),
             tool: Arc::clone(lease.tool),
+            span: lease.span.clone(),
             token: lease.token,
             lease: options.lease,
             ttl: options.ttl,
@@ -207,12 +211,18 @@ impl Entry {
             Ok(Fenced::Applied) => {}
             Ok(Fenced::LostLease) => {
                 if self.state.load(AtomicOrdering::SeqCst) == RUNNING {
-                    tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; stopping it");
+                    in_span(
+                        &self.span,
+                        || tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; stopping it"),
+                    );
                 }
                 self.stop(LOST);
             }
             Err(error) => {
-                tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again");
+                in_span(
+                    &self.span,
+                    || tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again"),
+                );
                 timer::tick_at(self.id, Instant::now() + retry_after(self.every));
             }
         }
@@ -228,7 +238,10 @@ impl Periodic for Entry {
         }
         let now = Instant::now();
         if self.deadline.is_some_and(|deadline| now >= deadline) {
-            tracing::warn!(tool = %self.tool, key = %self.key, max_run = %Human(self.max_run), "idem: the body ran past its max_run; its claim is no longer renewed");
+            in_span(
+                &self.span,
+                || tracing::warn!(tool = %self.tool, key = %self.key, max_run = %Human(self.max_run), "idem: the body ran past its max_run; its claim is no longer renewed"),
+            );
             self.stop(OVER_MAX_RUN);
             return None;
         }

@@ -59,7 +59,7 @@ use serde::Serialize;
 use tracing::Instrument;
 
 use crate::background;
-use crate::error::Human;
+use crate::error::{Human, Logged};
 use crate::heartbeat::{self, Beat, Lease, Ran};
 pub use crate::key::KeyInput;
 use crate::key::{Fingerprint, KeyParts};
@@ -369,18 +369,21 @@ impl Call {
         options: Options,
         fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(Fingerprint, Fingerprint), Error>,
     ) -> Result<Call, Error> {
-        let run = match run {
-            Some(run) => run.clone(),
-            None => Run::current().ok_or_else(|| Error::NoRun {
+        let Some(run) = run.cloned().or_else(Run::current) else {
+            let error = Error::NoRun {
                 tool: tool.to_owned(),
-            })?,
+            };
+            telemetry::rejected(tool, None, &error);
+            return Err(error);
         };
-        let (fingerprint, key_fingerprint) = fingerprints(&KeyParts {
+        let parts = KeyParts {
             tenant: run.tenant(),
             run_id: run.id(),
             call_id: run.call_id(),
             tool,
-        })?;
+        };
+        let (fingerprint, key_fingerprint) = fingerprints(&parts)
+            .inspect_err(|error| telemetry::rejected(tool, run.call_id(), error))?;
         let key = Key::of(tool, &key_fingerprint);
         Ok(Call {
             tally: Tally::new(tool, &key, &run),
@@ -423,7 +426,7 @@ where
     C: ErrorPolicy<R::Err>,
     Fut: Future<Output = R>,
 {
-    let call = started(call)?;
+    let call = call?;
     let span = call.tally.span().clone();
     async move {
         let report = Report::start(&call.tool, &call.key, &call.tally);
@@ -436,11 +439,6 @@ where
     }
     .instrument(span)
     .await
-}
-
-/// The call, or its refusal, reported.
-fn started(call: Result<Call, Error>) -> Result<Call, Error> {
-    call.inspect_err(telemetry::rejected)
 }
 
 /// [`execute`] for an operation that can run on its own (`Send + 'static`): if the
@@ -466,7 +464,7 @@ where
     C: ErrorPolicy<R::Err> + 'static,
     Fut: FinishesAlone<Output = R>,
 {
-    let call = started(call)?;
+    let call = call?;
     let span = call.tally.span().clone();
     async move {
         let report = Report::start(&call.tool, &call.key, &call.tally);
@@ -491,6 +489,7 @@ where
             life: Some(life.instrument(tracing::Span::current())),
             key,
             runtime,
+            handover,
         }
         .await
     }
@@ -560,6 +559,8 @@ struct Finishing<R: Send + 'static> {
     life: Option<tracing::instrument::Instrumented<Life<R>>>,
     key: Key,
     runtime: tokio::runtime::Handle,
+    /// The call's report, which the owner's part carries on.
+    handover: Handover,
 }
 
 /// The owner's part of a call ([`execute_owned`]), boxed so it can move to a task of
@@ -594,9 +595,12 @@ impl<R: Send + 'static> Drop for Finishing<R> {
         let Some(life) = self.life.take() else {
             return;
         };
+        // It reports from its own task, out of the caller's `observe`.
+        telemetry::release_observer(&self.handover);
+        let span = life.span().clone();
         // The tool's output type goes here, so the task is the same for every tool.
         let life = Box::pin(async move { life.await.map(drop) });
-        finish_alone(life, self.key.clone(), &self.runtime);
+        finish_alone(life, self.key.clone(), &self.runtime, span);
     }
 }
 
@@ -606,16 +610,22 @@ fn finish_alone(
     life: Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>,
     key: Key,
     runtime: &tokio::runtime::Handle,
+    span: tracing::Span,
 ) {
-    tracing::debug!(%key, "idem: the caller stopped waiting; the body runs on and its outcome will answer the retry");
+    tracing::debug!(parent: &span, %key, "idem: the caller stopped waiting; the body runs on and its outcome will answer the retry");
     // A runtime shutting down drops the task, and with it the body: its claim is
     // then settled as `execute` settles it.
-    drop(runtime.spawn(async move {
+    let finishing = async move {
         match life.await {
-            Ok(()) => tracing::debug!(%key, "idem: a body whose caller stopped waiting finished; its outcome is recorded"),
-            Err(error) => tracing::warn!(%key, %error, "idem: a body whose caller stopped waiting ended with an error"),
+            Ok(()) => {
+                tracing::debug!(%key, "idem: a body whose caller stopped waiting finished; its outcome is recorded")
+            }
+            Err(error) => {
+                tracing::warn!(%key, error = %Logged(&error), "idem: a body whose caller stopped waiting ended with an error")
+            }
         }
-    }));
+    };
+    drop(runtime.spawn(finishing.instrument(span)));
 }
 
 /// Runs a blocking operation at most once per key: [`execute`] for sync tools. Its claim
@@ -635,7 +645,7 @@ where
     C: ErrorPolicy<R::Err>,
     F: FnOnce() -> R,
 {
-    let call = started(call)?;
+    let call = call?;
     let _span = call.tally.span().enter();
     let _blocking = crate::blocking::InSyncTool::enter();
     let report = Report::start(&call.tool, &call.key, &call.tally);
@@ -843,6 +853,7 @@ impl Owner {
             tool: &call.tool,
             token: self.token,
             options: &call.options,
+            span: call.tally.span(),
         }
     }
 }
@@ -987,7 +998,17 @@ impl Future for Claiming<'_> {
         let Some(claim) = self.claim.as_mut() else {
             return Poll::Ready(Err(Error::store("idem", "polled after completion")));
         };
-        let answer = std::task::ready!(claim.as_mut().poll(cx));
+        // A store that panics is a store that failed: the body has not run. (A
+        // panicked future must not be polled again, so it is not finished later.)
+        let polled = panic::catch_unwind(AssertUnwindSafe(|| claim.as_mut().poll(cx)));
+        let answer = match polled {
+            Ok(Poll::Pending) => return Poll::Pending,
+            Ok(Poll::Ready(answer)) => answer,
+            Err(_) => Err(Error::store(
+                self.store.name(),
+                "the store panicked while claiming the key",
+            )),
+        };
         self.claim = None;
         Poll::Ready(answer)
     }
@@ -1000,25 +1021,19 @@ impl Drop for Claiming<'_> {
         };
         let store = Arc::clone(self.store);
         let (key, tool, token) = (self.call.key.clone(), self.call.tool.clone(), self.token);
-        let options = self.call.options;
+        let (options, span) = (self.call.options, self.call.tally.span().clone());
         background::detach(
             async move {
                 let why = "was dropped while its claim was out";
+                let (store, key, tool) = (&*store, &key, &tool);
                 match claim.await {
                     Ok(Claim::Acquired { .. }) => {
-                        settle(
-                            &*store,
-                            &key,
-                            &tool,
-                            token,
-                            &options,
-                            Settling::Release,
-                            why,
-                        )
-                        .await
+                        let how = Settling::Release;
+                        let settling = settle(store, key, tool, token, &options, how, why);
+                        settling.instrument(span).await
                     }
                     Ok(_) => {}
-                    Err(_) => release_twice(&*store, &key, &tool, token, &options, why).await,
+                    Err(_) => release_twice(store, key, tool, token, &options, why, span).await,
                 }
             },
             tokio::runtime::Handle::try_current().ok().as_ref(),
@@ -1030,17 +1045,18 @@ impl Drop for Claiming<'_> {
 fn release_late_claim(call: &Call, store: &Arc<dyn Store>, token: Token) {
     let store = Arc::clone(store);
     let (key, tool, options) = (call.key.clone(), call.tool.clone(), call.options);
+    let span = call.tally.span().clone();
     background::detach(
         async move {
             let why = "got no answer to its claim";
-            release_twice(&*store, &key, &tool, token, &options, why).await
+            release_twice(&*store, &key, &tool, token, &options, why, span).await
         },
         tokio::runtime::Handle::try_current().ok().as_ref(),
     );
 }
 
-/// Releases `token`'s claim now and again [`LATE_CLAIM`] later (fenced: a no-op on
-/// anyone else's claim).
+/// Releases `token`'s claim now (in the call's `span`) and again [`LATE_CLAIM`] later
+/// (fenced: a no-op on anyone else's claim; by then the call's span has ended).
 async fn release_twice(
     store: &dyn Store,
     key: &Key,
@@ -1048,8 +1064,11 @@ async fn release_twice(
     token: Token,
     options: &Options,
     why: &str,
+    span: tracing::Span,
 ) {
-    settle(store, key, tool, token, options, Settling::Release, why).await;
+    settle(store, key, tool, token, options, Settling::Release, why)
+        .instrument(span)
+        .await;
     crate::timer::sleep_until(Instant::now() + LATE_CLAIM).await;
     settle(store, key, tool, token, options, Settling::Release, why).await;
 }
@@ -1058,6 +1077,8 @@ async fn release_twice(
 struct Waiting<'a> {
     call: &'a Call,
     started: Option<Instant>,
+    /// Whether it slept at all (a call told at once that the key is busy did not).
+    paused: bool,
     poll: Duration,
     said_so: bool,
     listening: wait::Waiting<'a>,
@@ -1068,6 +1089,7 @@ impl<'a> Waiting<'a> {
         Waiting {
             call,
             started: None,
+            paused: false,
             poll: POLL_START,
             said_so: false,
             listening: wait::Waiting::new(&call.key),
@@ -1075,9 +1097,11 @@ impl<'a> Waiting<'a> {
     }
 
     /// The wait is over: the call's tally learns how long it took, if it waited.
-    fn done(&self) {
-        if let Some(started) = self.started {
-            self.call.tally.waited(started.elapsed());
+    fn done(&mut self) {
+        if let Some(started) = self.started.take() {
+            if self.paused {
+                self.call.tally.waited(started.elapsed());
+            }
         }
     }
 
@@ -1085,6 +1109,7 @@ impl<'a> Waiting<'a> {
     /// in this process), or returns [`Error::InProgress`] when the call may wait no more.
     async fn pause<P: Pause>(&mut self, lease_until: Timestamp) -> Result<(), Error> {
         let (call, key) = (self.call, &self.call.key);
+        call.tally.busy();
         let waited = self.started.get_or_insert_with(Instant::now).elapsed();
         let lease_left = lease_until.remaining(Timestamp::now());
         let budget = match call.options.max_wait() {
@@ -1117,11 +1142,19 @@ impl<'a> Waiting<'a> {
             }
             Some(listener) => {
                 let until_lease = lease_left + Duration::from_millis(1);
+                self.paused = true;
                 P::pause(listener, self.poll.min(budget).min(until_lease)).await;
                 self.poll = (self.poll * 2).min(POLL_CAP);
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for Waiting<'_> {
+    /// A call dropped while it waited still tells how long it waited.
+    fn drop(&mut self) {
+        self.done();
     }
 }
 
@@ -1305,7 +1338,8 @@ impl Drop for Unsettled<'_> {
             async move {
                 let why = "was dropped before recording an outcome";
                 settle(&*store, &key, &tool, token, &options, how, why).await
-            },
+            }
+            .instrument(self.call.tally.span().clone()),
             tokio::runtime::Handle::try_current().ok().as_ref(),
         );
     }
@@ -1416,7 +1450,7 @@ async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Resul
     let (bytes, failed) = match stored {
         Ok(stored) => stored,
         Err(error) => {
-            tracing::warn!(tool = %call.tool, %key, %error, "idem: the body ran but its outcome cannot be stored");
+            tracing::warn!(tool = %call.tool, %key, error = %Logged(&error), "idem: the body ran but its outcome cannot be stored");
             guard.settle("ran, but its outcome cannot be stored").await;
             return Err(error);
         }
@@ -1538,6 +1572,8 @@ fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>,
         )
         .await;
     };
+    // In the call's span: it stays open until the outcome is recorded or settled.
+    let late = late.instrument(call.tally.span().clone());
     background::detach(late, tokio::runtime::Handle::try_current().ok().as_ref());
 }
 

@@ -33,6 +33,7 @@ use std::time::Duration;
 use tracing::field::Empty;
 use tracing::Span;
 
+use crate::error::Logged;
 use crate::{Error, Key, Run};
 
 /// How idem answered an idempotent call: the `idem.outcome` of its span, and the
@@ -173,23 +174,47 @@ impl CallReport {
 /// ```
 ///
 /// The report is of the outermost call: one the first call makes inside its body is
-/// not reported. A call whose caller stops waiting inside `future` is reported as
-/// [`CallOutcome::Cancelled`] only if `future` itself goes on.
+/// not reported. A call that `future` stops waiting for is not reported either (its
+/// outcome is not known yet: it may be finishing in the background, and its span will
+/// say); the next call is. An `observe` inside another reports to both.
 pub async fn observe<F: Future>(future: F) -> (F::Output, Option<CallReport>) {
-    OBSERVER
+    let (output, report) = OBSERVER
         .scope(Observer::default(), async {
             let output = future.await;
             (output, OBSERVER.with(Observer::take))
         })
-        .await
+        .await;
+    (output, pass_up(report))
 }
 
 /// [`observe`] for sync code: runs `f`, and reports the first idempotent call made in it.
 pub fn observe_sync<T>(f: impl FnOnce() -> T) -> (T, Option<CallReport>) {
-    OBSERVER.sync_scope(Observer::default(), || {
+    let (output, report) = OBSERVER.sync_scope(Observer::default(), || {
         let output = f();
         (output, OBSERVER.with(Observer::take))
-    })
+    });
+    (output, pass_up(report))
+}
+
+/// Gives `report`, of an inner [`observe`] scope, to the enclosing one too, if it has
+/// no call of its own yet.
+fn pass_up(report: Option<CallReport>) -> Option<CallReport> {
+    if let Some(report) = &report {
+        let _ = OBSERVER.try_with(|outer| {
+            if !outer.taken.replace(true) {
+                *outer.report.borrow_mut() = Some(report.clone());
+            }
+        });
+    }
+    report
+}
+
+/// A call that took the enclosing [`observe`] scope will not report to it (its caller
+/// stopped waiting, and it goes on elsewhere): the next call may take it.
+pub(crate) fn release_observer(handover: &Handover) {
+    if handover.observing {
+        let _ = OBSERVER.try_with(|observer| observer.taken.set(false));
+    }
 }
 
 tokio::task_local! {
@@ -228,9 +253,12 @@ pub(crate) struct Tally {
 }
 
 const TOOK_OVER: u8 = 1;
+/// It paused for another call's claim (`waited_micros` says how long).
 const WAITED: u8 = 2;
 const UNRECORDED: u8 = 4;
 const PANICKED: u8 = 8;
+/// It found its key held by another call.
+const BUSY: u8 = 16;
 
 impl Tally {
     /// The tally of a call of `tool` with `key`, and its span (disabled, at no cost,
@@ -252,6 +280,11 @@ impl Tally {
     /// The call's store is `store`.
     pub(crate) fn store(&self, store: &'static str) {
         let _ = self.store.set(store);
+    }
+
+    /// The call found its key held by another call.
+    pub(crate) fn busy(&self) {
+        self.flags.fetch_or(BUSY, Ordering::Relaxed);
     }
 
     /// The call has waited `waited` so far for another call's claim.
@@ -316,6 +349,16 @@ fn call_span(tool: &str, key: Option<&Key>, call_id: Option<&str>) -> Span {
     )
 }
 
+/// Runs `f` in `span`, with the span's own subscriber as the default: for events about a
+/// call that fire on another thread (the timer thread's), where the thread's default
+/// subscriber may not be the call's.
+pub(crate) fn in_span<T>(span: &Span, f: impl FnOnce() -> T) -> T {
+    match span.with_subscriber(|(_, dispatch)| dispatch.clone()) {
+        Some(dispatch) => tracing::dispatcher::with_default(&dispatch, || span.in_scope(f)),
+        None => f(),
+    }
+}
+
 /// A call under way, which reports its outcome once: to its span, to the metrics, and
 /// to an [`observe`] scope that it took. Dropped unreported, it reports that the caller
 /// stopped waiting ([`CallOutcome::Cancelled`]), or that the body panicked.
@@ -367,7 +410,7 @@ impl<'a> Report<'a> {
     /// The call returned a stored outcome; `failed` if it is the tool's cached error
     /// (of type `error_type`).
     pub(crate) fn replayed(self, failed: bool, error_type: &'static str) {
-        let outcome = if self.tally.has(WAITED) {
+        let outcome = if self.tally.has(BUSY) {
             CallOutcome::WaitedThenReplayed
         } else {
             CallOutcome::Replayed
@@ -407,15 +450,18 @@ impl<'a> Report<'a> {
         self.done = true;
         let (tally, waited) = (self.tally, self.tally.waited_for());
         let store = tally.store.get().copied().unwrap_or("none");
+        // A disabled span would still look each field up by name.
         let span = &tally.span;
-        span.record("idem.outcome", outcome.as_str());
-        span.record("idem.store", store);
-        if let Some(waited) = waited {
-            span.record("idem.wait_seconds", waited.as_secs_f64());
-        }
-        if let Some(error_type) = error_type {
-            span.record("error.type", error_type);
-            span.record("otel.status_code", "ERROR");
+        if !span.is_disabled() {
+            span.record("idem.outcome", outcome.as_str());
+            span.record("idem.store", store);
+            if let Some(waited) = waited {
+                span.record("idem.wait_seconds", waited.as_secs_f64());
+            }
+            if let Some(error_type) = error_type {
+                span.record("error.type", error_type);
+                span.record("otel.status_code", "ERROR");
+            }
         }
         #[cfg(feature = "metrics")]
         metrics::call(self.tool, outcome, store, waited, tally.has(TOOK_OVER));
@@ -432,6 +478,7 @@ impl<'a> Report<'a> {
 }
 
 /// A [`Report`] on its way from one part of a call to another.
+#[derive(Clone, Copy)]
 pub(crate) struct Handover {
     observing: bool,
 }
@@ -441,7 +488,8 @@ impl Drop for Report<'_> {
         if self.done {
             return;
         }
-        if self.tally.has(PANICKED) || std::thread::panicking() {
+        // Only the body's own panic: the caller may be unwinding from one of its own.
+        if self.tally.has(PANICKED) {
             self.report(CallOutcome::NotRecorded, Some("panic"));
         } else {
             self.report(CallOutcome::Cancelled, Some("cancelled"));
@@ -449,18 +497,15 @@ impl Drop for Report<'_> {
     }
 }
 
-/// Reports a call refused before it had a key (no run, an input it cannot key).
-pub(crate) fn rejected(error: &Error) {
-    let tool = match error {
-        Error::NoRun { tool } | Error::Input { tool, .. } => tool.as_str(),
-        _ => "unknown",
-    };
-    let span = call_span(tool, None, None);
+/// Reports a call of `tool` refused before it had a key (no run, an input it cannot
+/// key); `call_id` is its run's call id, if it has a run.
+pub(crate) fn rejected(tool: &str, call_id: Option<&str>, error: &Error) {
+    let span = call_span(tool, None, call_id);
     let _entered = span.enter();
     span.record("idem.outcome", CallOutcome::Rejected.as_str());
     span.record("error.type", error.kind());
     span.record("otel.status_code", "ERROR");
-    tracing::warn!(%error, "idem: call refused");
+    tracing::warn!(error = %Logged(error), "idem: call refused");
     #[cfg(feature = "metrics")]
     metrics::call(&Arc::from(tool), CallOutcome::Rejected, "none", None, false);
 }

@@ -27,10 +27,12 @@ pub(crate) fn register(id: u64, work: Arc<dyn Periodic>, at: Instant) -> bool {
     true
 }
 
-/// Runs the work registered as `id` at `at` too, besides its own schedule.
+/// Runs the work registered as `id` at `at` instead of when it was due: its schedule
+/// goes on from that tick. (One schedule per work: a tick that was due is dropped, so
+/// a retry never adds a second round of ticks.)
 pub(crate) fn tick_at(id: u64, at: Instant) {
     if let Some(timer) = timer() {
-        timer.schedule(at, Job::Tick(id));
+        timer.reschedule(id, at);
     }
 }
 
@@ -127,8 +129,9 @@ impl AlarmSlot {
 enum Job {
     /// Wake a task whose alarm is due.
     Wake(Arc<AlarmSlot>),
-    /// Run a registered [`Periodic`]'s tick, by its id.
-    Tick(u64),
+    /// Run a registered [`Periodic`]'s tick, by its id and the round of its schedule
+    /// (a tick of an earlier round, replaced by [`tick_at`], is dropped).
+    Tick(u64, u64),
 }
 
 /// A job due at `at`.
@@ -161,14 +164,15 @@ struct Queue {
     seq: u64,
     /// When the thread wakes next, if it sleeps with a timeout.
     wakes_at: Option<Instant>,
-    /// The registered periodic work, by id; work that ends is removed at once (its
-    /// queue slots go when they come due, or in a sweep when they pile up).
+    /// The registered periodic work, by id, with the round of its schedule; work that
+    /// ends is removed at once (its queue slots go when they come due, or in a sweep
+    /// when they pile up).
     entries: Option<Entries>,
 }
 
 /// The registered periodic work, by id. Ids are a counter's values, so a
 /// multiplication spreads them well enough: no need for SipHash on every call.
-type Entries = HashMap<u64, Arc<dyn Periodic>, BuildHasherDefault<IdHasher>>;
+type Entries = HashMap<u64, (Arc<dyn Periodic>, u64), BuildHasherDefault<IdHasher>>;
 
 #[derive(Default)]
 struct IdHasher(u64);
@@ -244,8 +248,19 @@ impl Timer {
         queue
             .entries
             .get_or_insert_with(Entries::default)
-            .insert(id, work);
-        self.push(&mut queue, at, Job::Tick(id));
+            .insert(id, (work, 0));
+        self.push(&mut queue, at, Job::Tick(id, 0));
+    }
+
+    /// Moves the next tick of `id` to `at`: a new round, so the tick due before is dropped.
+    fn reschedule(&self, id: u64, at: Instant) {
+        let mut queue = self.lock();
+        let Some((_, round)) = queue.entries.as_mut().and_then(|e| e.get_mut(&id)) else {
+            return;
+        };
+        *round += 1;
+        let round = *round;
+        self.push(&mut queue, at, Job::Tick(id, round));
     }
 
     fn forget(&self, id: u64) {
@@ -259,7 +274,7 @@ impl Timer {
             let Queue { heap, entries, .. } = &mut *queue;
             let entries = entries.get_or_insert_with(Entries::default);
             heap.retain(|due| match &due.job {
-                Job::Tick(id) => entries.contains_key(id),
+                Job::Tick(id, round) => entries.get(id).is_some_and(|(_, r)| r == round),
                 Job::Wake(_) => true,
             });
         }
@@ -284,8 +299,14 @@ impl Timer {
                     let Some(due) = queue.heap.pop() else {
                         continue;
                     };
+                    // A tick of a round that was rescheduled, or of ended work, is dropped.
                     let work = match &due.job {
-                        Job::Tick(id) => queue.entries.as_ref().and_then(|e| e.get(id)).cloned(),
+                        Job::Tick(id, round) => queue
+                            .entries
+                            .as_ref()
+                            .and_then(|e| e.get(id))
+                            .filter(|(_, current)| current == round)
+                            .map(|(work, _)| Arc::clone(work)),
                         Job::Wake(_) => None,
                     };
                     drop(queue);
@@ -294,12 +315,15 @@ impl Timer {
                     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         match (&due.job, work) {
                             (Job::Wake(slot), _) => slot.ring(due.at),
-                            (Job::Tick(id), Some(work)) => {
+                            (Job::Tick(id, round), Some(work)) => {
                                 if let Some(next) = work.tick() {
-                                    self.schedule(next, Job::Tick(*id));
+                                    // Still this round: a reschedule during the tick
+                                    // (a renewal that failed at once) made a new one,
+                                    // and this one is then dropped when due.
+                                    self.schedule(next, Job::Tick(*id, *round));
                                 }
                             }
-                            (Job::Tick(_), None) => {}
+                            (Job::Tick(..), None) => {}
                         }
                     }));
                     if ran.is_err() {
