@@ -429,7 +429,7 @@ where
     let call = call?;
     let span = call.tally.span().clone();
     async move {
-        let report = Report::start(&call.tool, &call.key, &call.tally);
+        let report = Report::start(&call.tool, &call.key, &call.run, &call.tally);
         match acquire::<R, C, AsyncPause>(&call, report).await? {
             Acquisition::Replay(output) => Ok(output),
             Acquisition::Owner(owner, report) => {
@@ -467,7 +467,7 @@ where
     let call = call?;
     let span = call.tally.span().clone();
     async move {
-        let report = Report::start(&call.tool, &call.key, &call.tally);
+        let report = Report::start(&call.tool, &call.key, &call.run, &call.tally);
         let (owner, handover) = match acquire::<R, C, AsyncPause>(&call, report).await? {
             Acquisition::Replay(output) => return Ok(output),
             Acquisition::Owner(owner, report) => (owner, report.handover()),
@@ -509,7 +509,7 @@ where
     C: ErrorPolicy<R::Err>,
     Fut: Future<Output = R>,
 {
-    let report = Report::resume(&call.tool, &call.key, &call.tally, handover);
+    let report = Report::resume(&call.tool, &call.key, &call.run, &call.tally, handover);
     run_owned::<R, C, _>(&call, owner, report, operation).await
 }
 
@@ -648,7 +648,7 @@ where
     let call = call?;
     let _span = call.tally.span().enter();
     let _blocking = crate::blocking::InSyncTool::enter();
-    let report = Report::start(&call.tool, &call.key, &call.tally);
+    let report = Report::start(&call.tool, &call.key, &call.run, &call.tally);
     let (owner, report) = match pollster::block_on(acquire::<R, C, BlockingPause>(&call, report))? {
         Acquisition::Replay(output) => return Ok(output),
         Acquisition::Owner(owner, report) => (owner, report),
@@ -740,7 +740,6 @@ where
 {
     let claimed = match call.run.store_ref() {
         Ok(store) => {
-            call.tally.store(store.name());
             if let Some(replayed) = hit::<R, C>(call, &**store) {
                 return replay(report, replayed);
             }

@@ -26,8 +26,8 @@
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::field::Empty;
@@ -247,11 +247,13 @@ fn take_observer() -> bool {
 #[derive(Debug)]
 pub(crate) struct Tally {
     span: Span,
-    store: OnceLock<&'static str>,
-    waited_micros: AtomicU64,
-    flags: AtomicU8,
+    /// What it learned ([`TOOK_OVER`], ...) in the top byte; how long it waited, in
+    /// microseconds, below.
+    learned: AtomicU64,
 }
 
+const FLAGS: u32 = 56;
+const WAIT_MASK: u64 = (1 << FLAGS) - 1;
 const TOOK_OVER: u8 = 1;
 /// It paused for another call's claim (`waited_micros` says how long).
 const WAITED: u8 = 2;
@@ -266,9 +268,7 @@ impl Tally {
     pub(crate) fn new(tool: &str, key: &Key, run: &Run) -> Tally {
         Tally {
             span: call_span(tool, Some(key), run.call_id()),
-            store: OnceLock::new(),
-            waited_micros: AtomicU64::new(0),
-            flags: AtomicU8::new(0),
+            learned: AtomicU64::new(0),
         }
     }
 
@@ -277,45 +277,50 @@ impl Tally {
         &self.span
     }
 
-    /// The call's store is `store`.
-    pub(crate) fn store(&self, store: &'static str) {
-        let _ = self.store.set(store);
-    }
-
     /// The call found its key held by another call.
     pub(crate) fn busy(&self) {
-        self.flags.fetch_or(BUSY, Ordering::Relaxed);
+        self.learn(BUSY);
     }
 
     /// The call has waited `waited` so far for another call's claim.
     pub(crate) fn waited(&self, waited: Duration) {
-        let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
-        self.waited_micros.store(micros, Ordering::Relaxed);
-        self.flags.fetch_or(WAITED, Ordering::Relaxed);
+        let micros = u64::try_from(waited.as_micros())
+            .unwrap_or(u64::MAX)
+            .min(WAIT_MASK);
+        let learned = |old: u64| Some(old & !WAIT_MASK | micros | u64::from(WAITED) << FLAGS);
+        let _ = self
+            .learned
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, learned);
     }
 
     /// The call took over a claim that ran out.
     pub(crate) fn took_over(&self) {
-        self.flags.fetch_or(TOOK_OVER, Ordering::Relaxed);
+        self.learn(TOOK_OVER);
     }
 
     /// The body ran, but its outcome is not recorded (the store failed to take it).
     pub(crate) fn unrecorded(&self) {
-        self.flags.fetch_or(UNRECORDED, Ordering::Relaxed);
+        self.learn(UNRECORDED);
     }
 
     /// The body panicked.
     pub(crate) fn panicked(&self) {
-        self.flags.fetch_or(PANICKED, Ordering::Relaxed);
+        self.learn(PANICKED);
+    }
+
+    fn learn(&self, flag: u8) {
+        self.learned
+            .fetch_or(u64::from(flag) << FLAGS, Ordering::Relaxed);
     }
 
     fn has(&self, flag: u8) -> bool {
-        self.flags.load(Ordering::Relaxed) & flag != 0
+        self.learned.load(Ordering::Relaxed) >> FLAGS & u64::from(flag) != 0
     }
 
     fn waited_for(&self) -> Option<Duration> {
-        self.has(WAITED)
-            .then(|| Duration::from_micros(self.waited_micros.load(Ordering::Relaxed)))
+        let learned = self.learned.load(Ordering::Relaxed);
+        (learned >> FLAGS & u64::from(WAITED) != 0)
+            .then(|| Duration::from_micros(learned & WAIT_MASK))
     }
 }
 
@@ -324,9 +329,7 @@ impl Clone for Tally {
     fn clone(&self) -> Tally {
         Tally {
             span: self.span.clone(),
-            store: OnceLock::new(),
-            waited_micros: AtomicU64::new(0),
-            flags: AtomicU8::new(0),
+            learned: AtomicU64::new(0),
         }
     }
 }
@@ -365,6 +368,7 @@ pub(crate) fn in_span<T>(span: &Span, f: impl FnOnce() -> T) -> T {
 pub(crate) struct Report<'a> {
     tool: &'a Arc<str>,
     key: &'a Key,
+    run: &'a Run,
     tally: &'a Tally,
     observing: bool,
     done: bool,
@@ -372,10 +376,11 @@ pub(crate) struct Report<'a> {
 
 impl<'a> Report<'a> {
     /// Starts reporting the call.
-    pub(crate) fn start(tool: &'a Arc<str>, key: &'a Key, tally: &'a Tally) -> Self {
+    pub(crate) fn start(tool: &'a Arc<str>, key: &'a Key, run: &'a Run, tally: &'a Tally) -> Self {
         Report {
             tool,
             key,
+            run,
             tally,
             observing: take_observer(),
             done: false,
@@ -395,12 +400,14 @@ impl<'a> Report<'a> {
     pub(crate) fn resume(
         tool: &'a Arc<str>,
         key: &'a Key,
+        run: &'a Run,
         tally: &'a Tally,
         handover: Handover,
     ) -> Self {
         Report {
             tool,
             key,
+            run,
             tally,
             observing: handover.observing,
             done: false,
@@ -449,10 +456,11 @@ impl<'a> Report<'a> {
     fn report(&mut self, outcome: CallOutcome, error_type: Option<&'static str>) {
         self.done = true;
         let (tally, waited) = (self.tally, self.tally.waited_for());
-        let store = tally.store.get().copied().unwrap_or("none");
         // A disabled span would still look each field up by name.
         let span = &tally.span;
+        let store = || self.run.store_ref().map_or("none", |store| store.name());
         if !span.is_disabled() {
+            let store = store();
             span.record("idem.outcome", outcome.as_str());
             span.record("idem.store", store);
             if let Some(waited) = waited {
@@ -464,7 +472,7 @@ impl<'a> Report<'a> {
             }
         }
         #[cfg(feature = "metrics")]
-        metrics::call(self.tool, outcome, store, waited, tally.has(TOOK_OVER));
+        metrics::call(self.tool, outcome, store(), waited, tally.has(TOOK_OVER));
         if self.observing {
             let report = CallReport {
                 outcome,
