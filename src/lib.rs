@@ -43,7 +43,7 @@
 //! `idem.outcome`: `executed`, `replayed`, ...), so `tracing-opentelemetry` shows it
 //! under the agent's span. [`observe`] tells a caller whether a value was replayed.
 //! The `metrics` feature counts calls by tool and outcome through the `metrics` facade
-//! ([`describe_metrics`] lists them). See `docs/observability.md`.
+//! (`describe_metrics` lists them). See `docs/observability.md`.
 //!
 //! ## Options
 //!

@@ -18,10 +18,12 @@
 //! | `idem.key` | the call's key (it holds no input: a hash of it) |
 //! | `idem.wait_seconds` | how long the call waited for another call holding its key |
 //!
-//! The input and the result are never recorded. idem's own events fire inside the span.
+//! The input and the result are never recorded, in the fields or in idem's events (an
+//! error that may quote them is logged without its details: [`Logged`]). idem's own
+//! events fire inside the span, those of the timer thread and of background work too.
 //!
 //! With the `metrics` feature, the same calls are counted through the `metrics` facade
-//! (see [`describe_metrics`]); labels are the tool, the outcome, the store and the
+//! (see `describe_metrics`); labels are the tool, the outcome, the store and the
 //! store operation, never the key, so their number stays bounded by the tools'.
 
 use std::cell::{Cell, RefCell};
