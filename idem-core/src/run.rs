@@ -117,6 +117,17 @@ impl Run {
         }
     }
 
+    /// The name of this run's store ([`Store::name`]), `none` if it has none (yet),
+    /// without opening the default store or touching its `Arc`.
+    pub(crate) fn store_name(&self) -> &'static str {
+        match &self.inner.store {
+            Some(store) => store.name(),
+            None => crate::sync::read(&DEFAULT_STORE)
+                .as_ref()
+                .map_or("none", |store| store.name()),
+        }
+    }
+
     /// Runs `future` with this run as the ambient run: idempotent tools called inside
     /// it (at any depth, in this task) use it.
     pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {

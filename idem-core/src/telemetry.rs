@@ -460,7 +460,7 @@ impl<'a> Report<'a> {
         let (tally, waited) = (self.tally, self.tally.waited_for());
         // A disabled span would still look each field up by name.
         let span = &tally.span;
-        let store = || self.run.store_ref().map_or("none", |store| store.name());
+        let store = || self.run.store_name();
         if !span.is_disabled() {
             let store = store();
             span.record("idem.outcome", outcome.as_str());
