@@ -525,8 +525,9 @@ fn a_claim_whose_owner_stopped_renewing_is_taken_over() {
     );
 }
 
-/// A store whose server is down: every operation fails.
-struct Down;
+/// A store whose server is down: every operation fails; `Down(true)`'s code panics
+/// when asked to claim.
+struct Down(bool);
 
 fn down() -> Error {
     Error::store(
@@ -538,6 +539,7 @@ fn down() -> Error {
 #[async_trait]
 impl Store for Down {
     async fn claim(&self, _: &Key, _: &ClaimRequest) -> Result<Claim, Error> {
+        assert!(!self.0, "a bug in the store's claim");
         Err(down())
     }
     async fn complete(
@@ -572,7 +574,7 @@ fn an_unreachable_store_is_a_store_error_and_nothing_runs() {
     let provider = Provider::default();
     let sent = with_capture(&capture, async {
         Run::new("agent-run")
-            .with_store(Down)
+            .with_store(Down(false))
             .scope(charge(provider.clone(), 100, false))
             .await
     });
@@ -786,47 +788,13 @@ async fn futures_poll_once<F: std::future::Future>(mut future: std::pin::Pin<&mu
     std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_pending())).await
 }
 
-/// A store whose code panics when asked to claim.
-struct Panicking;
-
-#[async_trait]
-impl Store for Panicking {
-    async fn claim(&self, _: &Key, _: &ClaimRequest) -> Result<Claim, Error> {
-        panic!("a bug in the store's claim");
-    }
-    async fn complete(
-        &self,
-        _: &Key,
-        _: Token,
-        _: Outcome<'_>,
-        _: Duration,
-    ) -> Result<Fenced, Error> {
-        Err(down())
-    }
-    async fn release(&self, _: &Key, _: Token) -> Result<Fenced, Error> {
-        Err(down())
-    }
-    async fn renew(&self, _: &Key, _: Token, _: Duration, _: Duration) -> Result<Fenced, Error> {
-        Err(down())
-    }
-    async fn get(&self, _: &Key) -> Result<Option<Record>, Error> {
-        Err(down())
-    }
-    async fn delete(&self, _: &Key) -> Result<bool, Error> {
-        Err(down())
-    }
-    async fn purge_expired(&self) -> Result<u64, Error> {
-        Err(down())
-    }
-}
-
 #[test]
 fn a_store_that_panics_is_a_store_error_and_nothing_runs() {
     let capture = Capture::default();
     let provider = Provider::default();
     let charged = with_capture(&capture, async {
         Run::new("agent-run")
-            .with_store(Panicking)
+            .with_store(Down(true))
             .scope(charge(provider.clone(), 100, false))
             .await
     });
