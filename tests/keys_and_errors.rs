@@ -657,6 +657,8 @@ struct Faulty {
     claim_failures: AtomicUsize,
     renew_failures: AtomicUsize,
     renewals: AtomicUsize,
+    /// `complete` panics (a bug in the store's code) the first this many times.
+    complete_panics: AtomicUsize,
 }
 
 impl Faulty {
@@ -667,6 +669,7 @@ impl Faulty {
             claim_failures: AtomicUsize::new(0),
             renew_failures: AtomicUsize::new(0),
             renewals: AtomicUsize::new(0),
+            complete_panics: AtomicUsize::new(0),
         }
     }
 }
@@ -692,6 +695,10 @@ impl Store for Faulty {
         outcome: Outcome<'_>,
         ttl: Duration,
     ) -> Result<Fenced, Error> {
+        assert!(
+            !take_one(&self.complete_panics),
+            "a bug in the store's complete"
+        );
         if take_one(&self.failures) {
             return Err(Error::store("failing", "no space left on device"));
         }
@@ -753,6 +760,39 @@ async fn a_store_failing_after_the_body_ran_gives_the_bodys_value_and_records_it
         assert!(started.elapsed() < Duration::from_secs(10), "{name}");
         assert_eq!(ran.get(), 1, "{name}: the body ran once");
     }
+}
+
+#[tokio::test]
+async fn an_outcome_the_store_takes_only_after_the_lease_still_answers_the_retry() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, inner) in stores(dir.path()).await {
+        // The store refuses the outcome for about half a second, longer than the
+        // 300 ms lease: the claim is renewed meanwhile, so a retry past the lease waits
+        // for the outcome instead of taking the claim over and running again.
+        let store = Arc::new(Faulty::new(inner.clone(), 2));
+        let run = Run::new(unique("outage")).with_shared_store(store.clone());
+        let ran = Ran::default();
+        let first = run.scope(send_receipt("ada".into(), &ran)).await;
+        assert_eq!(first.unwrap(), "receipt-1", "{name}");
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        let retry = run.scope(send_receipt("ada".into(), &ran)).await;
+        assert_eq!(retry.unwrap(), "receipt-1", "{name}: replayed");
+        assert_eq!(ran.get(), 1, "{name}: the body ran once");
+    }
+}
+
+#[tokio::test]
+async fn a_store_that_panics_while_recording_is_a_store_that_failed() {
+    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), 0));
+    store.complete_panics.store(1, Ordering::SeqCst);
+    let run = Run::new(unique("panics")).with_shared_store(store.clone());
+    let ran = Ran::default();
+    // The caller gets the body's value, not a panic; the outcome is recorded later.
+    let first = run.scope(send_receipt("ada".into(), &ran)).await;
+    assert_eq!(first.unwrap(), "receipt-1");
+    let retry = run.scope(send_receipt("ada".into(), &ran)).await;
+    assert_eq!(retry.unwrap(), "receipt-1", "replayed");
+    assert_eq!(ran.get(), 1, "the body ran once");
 }
 
 #[tokio::test]

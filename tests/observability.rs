@@ -931,6 +931,50 @@ async fn observe_skips_a_call_it_stopped_waiting_for_and_reports_the_next() {
     assert!(report.waited().is_some());
     assert_eq!(provider.delivered(), 1);
 
+    // A waiter the agent gave up on is not reported either; the retry after it is.
+    let (retry, report) = idem::observe(async {
+        let owner = tokio::spawn(run.scope(send_email(
+            provider.clone(),
+            email("ida@example.com"),
+            Duration::from_millis(200),
+        )));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(tokio::time::timeout(
+            Duration::from_millis(30),
+            run.scope(send_email(
+                provider.clone(),
+                email("ida@example.com"),
+                Duration::from_millis(200)
+            )),
+        )
+        .await
+        .is_err());
+        owner.await.unwrap().unwrap();
+        run.scope(send_email(
+            provider.clone(),
+            email("ida@example.com"),
+            Duration::from_millis(200),
+        ))
+        .await
+    })
+    .await;
+    assert_eq!(retry, Ok("msg-2".into()));
+    assert_eq!(report.unwrap().outcome(), CallOutcome::Replayed);
+
+    // `select!` over two calls reports the one that answered, whichever was polled first.
+    for i in 0..4 {
+        let (_, report) = idem::observe(async {
+            tokio::select! {
+                _ = run.scope(hold(provider.clone(), format!("select-{i}"))) => {}
+                sent = run.scope(send_email(provider.clone(), email("hal@example.com"), Duration::ZERO)) => {
+                    sent.unwrap();
+                }
+            }
+        })
+        .await;
+        assert_eq!(report.unwrap().tool(), "send_email");
+    }
+
     // An observe inside another reports to both.
     let ((_, inner), outer) = idem::observe(idem::observe(call())).await;
     assert!(inner.unwrap().replayed());

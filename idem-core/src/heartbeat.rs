@@ -100,7 +100,9 @@ struct Entry {
     store: Arc<dyn Store>,
     key: Key,
     tool: Arc<str>,
-    span: tracing::Span,
+    /// The call's span while its body runs; let go when it ends, so that a renewal
+    /// still in flight does not hold the span open after the call.
+    span: Mutex<Option<tracing::Span>>,
     token: Token,
     lease: Duration,
     ttl: Duration,
@@ -125,7 +127,7 @@ impl Beat {
             store: Arc::clone(lease.store),
             key: lease.key.clone(),
             tool: Arc::clone(lease.tool),
-            span: lease.span.clone(),
+            span: Mutex::new(Some(lease.span.clone())),
             token: lease.token,
             lease: options.lease,
             ttl: options.ttl,
@@ -173,12 +175,22 @@ impl Drop for Beat {
     fn drop(&mut self) {
         if let Some((id, entry)) = self.entry.take() {
             entry.state.store(ENDED, AtomicOrdering::SeqCst);
+            crate::sync::lock(&entry.span).take();
             timer::forget(id);
         }
     }
 }
 
 impl Entry {
+    /// Runs `f` in the call's span, if its body still runs (see [`in_span`]).
+    fn in_span(&self, f: impl FnOnce()) {
+        let span = crate::sync::lock(&self.span).clone();
+        match span {
+            Some(span) => in_span(&span, f),
+            None => f(),
+        }
+    }
+
     /// When to look at this claim next: its next renewal, or its deadline if sooner.
     fn next(&self, after: Instant) -> Instant {
         let renewal = after + self.every;
@@ -211,17 +223,13 @@ impl Entry {
             Ok(Fenced::Applied) => {}
             Ok(Fenced::LostLease) => {
                 if self.state.load(AtomicOrdering::SeqCst) == RUNNING {
-                    in_span(
-                        &self.span,
-                        || tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; stopping it"),
+                    self.in_span(|| tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; stopping it"),
                     );
                 }
                 self.stop(LOST);
             }
             Err(error) => {
-                in_span(
-                    &self.span,
-                    || tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again"),
+                self.in_span(|| tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again"),
                 );
                 timer::tick_at(self.id, Instant::now() + retry_after(self.every));
             }
@@ -238,9 +246,7 @@ impl Periodic for Entry {
         }
         let now = Instant::now();
         if self.deadline.is_some_and(|deadline| now >= deadline) {
-            in_span(
-                &self.span,
-                || tracing::warn!(tool = %self.tool, key = %self.key, max_run = %Human(self.max_run), "idem: the body ran past its max_run; its claim is no longer renewed"),
+            self.in_span(|| tracing::warn!(tool = %self.tool, key = %self.key, max_run = %Human(self.max_run), "idem: the body ran past its max_run; its claim is no longer renewed"),
             );
             self.stop(OVER_MAX_RUN);
             return None;

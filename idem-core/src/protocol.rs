@@ -784,9 +784,15 @@ where
     C: ErrorPolicy<R::Err>,
 {
     let mut hit = None;
-    store.with_completed_result(&call.key, &call.fingerprint, &mut |bytes| {
-        hit = Some(decode::<R, C>(&call.key, bytes, false));
-    });
+    let looked_up = panic::catch_unwind(AssertUnwindSafe(|| {
+        store.with_completed_result(&call.key, &call.fingerprint, &mut |bytes| {
+            hit = Some(decode::<R, C>(&call.key, bytes, false));
+        })
+    }));
+    if looked_up.is_err() {
+        let why = "a panic in the lookup (the store's code, or the result's `Deserialize`)";
+        return Some(Err(Error::store(store.name(), why)));
+    }
     if hit.is_some() {
         tracing::debug!(tool = %call.tool, key = %call.key, "idem: hit, replaying stored result");
     }
@@ -997,17 +1003,9 @@ impl Future for Claiming<'_> {
         let Some(claim) = self.claim.as_mut() else {
             return Poll::Ready(Err(Error::store("idem", "polled after completion")));
         };
-        // A store that panics is a store that failed: the body has not run. (A
-        // panicked future must not be polled again, so it is not finished later.)
-        let polled = panic::catch_unwind(AssertUnwindSafe(|| claim.as_mut().poll(cx)));
-        let answer = match polled {
-            Ok(Poll::Pending) => return Poll::Pending,
-            Ok(Poll::Ready(answer)) => answer,
-            Err(_) => Err(Error::store(
-                self.store.name(),
-                "the store panicked while claiming the key",
-            )),
-        };
+        // A store that panics is a store that failed (see `store_op`): the body has not
+        // run.
+        let answer = std::task::ready!(claim.as_mut().poll(cx));
         self.claim = None;
         Poll::Ready(answer)
     }
@@ -1020,7 +1018,8 @@ impl Drop for Claiming<'_> {
         };
         let store = Arc::clone(self.store);
         let (key, tool, token) = (self.call.key.clone(), self.call.tool.clone(), self.token);
-        let (options, span) = (self.call.options, self.call.tally.span().clone());
+        // Not in the call's span: a claim that never answers would hold it open.
+        let options = self.call.options;
         background::detach(
             async move {
                 let why = "was dropped while its claim was out";
@@ -1028,11 +1027,13 @@ impl Drop for Claiming<'_> {
                 match claim.await {
                     Ok(Claim::Acquired { .. }) => {
                         let how = Settling::Release;
-                        let settling = settle(store, key, tool, token, &options, how, why);
-                        settling.instrument(span).await
+                        settle(store, key, tool, token, &options, how, why).await
                     }
                     Ok(_) => {}
-                    Err(_) => release_twice(store, key, tool, token, &options, why, span).await,
+                    Err(_) => {
+                        let span = tracing::Span::none();
+                        release_twice(store, key, tool, token, &options, why, span).await
+                    }
                 }
             },
             tokio::runtime::Handle::try_current().ok().as_ref(),
@@ -1539,7 +1540,18 @@ const RECORD_AGAIN: [Duration; 4] = [
 /// at-most-once retry gets [`Error::OutcomeUnknown`].
 fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>, failed: bool) {
     let (key, tool, options) = (call.key.clone(), call.tool.clone(), call.options);
+    let span = call.tally.span().clone();
     let late = async move {
+        // The claim is renewed meanwhile, as a running body's is, so a retry waits for
+        // this outcome instead of taking the claim over once its lease runs out.
+        let beat = Beat::start(&Lease {
+            store: &store,
+            key: &key,
+            tool: &tool,
+            token,
+            options: &options,
+            span: &span,
+        });
         for delay in RECORD_AGAIN {
             crate::timer::sleep_until(std::time::Instant::now() + delay).await;
             let completing = store.complete(&key, token, outcome(&bytes, failed), options.ttl);
@@ -1559,6 +1571,7 @@ fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>,
                 }
             }
         }
+        drop(beat);
         let why = "ran, but the store never took its outcome";
         settle(
             &*store,
@@ -1573,6 +1586,7 @@ fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>,
     };
     // In the call's span: it stays open until the outcome is recorded or settled.
     let late = late.instrument(call.tally.span().clone());
+
     background::detach(late, tokio::runtime::Handle::try_current().ok().as_ref());
 }
 

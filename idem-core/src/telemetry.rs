@@ -176,9 +176,10 @@ impl CallReport {
 /// ```
 ///
 /// The report is of the outermost call: one the first call makes inside its body is
-/// not reported. A call that `future` stops waiting for is not reported either (its
-/// outcome is not known yet: it may be finishing in the background, and its span will
-/// say); the next call is. An `observe` inside another reports to both.
+/// not reported. A call that `future` stops waiting for (a timeout, the losing branch
+/// of a `select!`) is not reported either: its outcome is not known yet (it may be
+/// finishing in the background, and its span will say); a call that answered is, the
+/// one beside it or the retry after it. An `observe` inside another reports to both.
 pub async fn observe<F: Future>(future: F) -> (F::Output, Option<CallReport>) {
     let (output, report) = OBSERVER
         .scope(Observer::default(), async {
@@ -214,34 +215,61 @@ fn pass_up(report: Option<CallReport>) -> Option<CallReport> {
 /// A call that took the enclosing [`observe`] scope will not report to it (its caller
 /// stopped waiting, and it goes on elsewhere): the next call may take it.
 pub(crate) fn release_observer(handover: &Handover) {
-    if handover.observing {
-        let _ = OBSERVER.try_with(|observer| observer.taken.set(false));
+    if handover.observing == Observing::Took {
+        let _ = OBSERVER.try_with(Observer::let_go);
     }
+}
+
+/// A call's part in the enclosing [`observe`] scope.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Observing {
+    /// No scope.
+    No,
+    /// It took the scope: it reports to it, or lets it go if its caller stops waiting.
+    Took,
+    /// Another call had taken the scope when it started (an outer call, or one beside
+    /// it): it reports if that call let the scope go by the time it ends.
+    Pending,
 }
 
 tokio::task_local! {
     static OBSERVER: Observer;
 }
 
-/// An [`observe`] scope: whether a call took it, and what that call reported.
+/// An [`observe`] scope: whether a call took it, and what that call reported; and the
+/// report of the first call that answered while another held the scope, which stands
+/// if that one lets the scope go.
 #[derive(Default)]
 struct Observer {
     taken: Cell<bool>,
     report: RefCell<Option<CallReport>>,
+    parked: RefCell<Option<CallReport>>,
 }
 
 impl Observer {
     fn take(&self) -> Option<CallReport> {
         self.report.borrow_mut().take()
     }
+
+    /// The call that took the scope will not report to it: a call that answered
+    /// meanwhile does, else the next one to start or to answer.
+    fn let_go(&self) {
+        match self.parked.borrow_mut().take() {
+            Some(parked) => *self.report.borrow_mut() = Some(parked),
+            None => self.taken.set(false),
+        }
+    }
 }
 
 /// Takes the enclosing [`observe`] scope for this call, if there is one and no call
 /// took it yet.
-fn take_observer() -> bool {
-    OBSERVER
-        .try_with(|observer| !observer.taken.replace(true))
-        .unwrap_or(false)
+fn take_observer() -> Observing {
+    let took = OBSERVER.try_with(|observer| !observer.taken.replace(true));
+    match took {
+        Err(_) => Observing::No,
+        Ok(true) => Observing::Took,
+        Ok(false) => Observing::Pending,
+    }
 }
 
 /// What the protocol learns about a call on its way, for its span and metrics: shared
@@ -372,7 +400,7 @@ pub(crate) struct Report<'a> {
     key: &'a Key,
     run: &'a Run,
     tally: &'a Tally,
-    observing: bool,
+    observing: Observing,
     done: bool,
 }
 
@@ -475,22 +503,30 @@ impl<'a> Report<'a> {
         }
         #[cfg(feature = "metrics")]
         metrics::call(self.tool, outcome, store(), waited, tally.has(TOOK_OVER));
-        if self.observing {
-            let report = CallReport {
-                outcome,
-                tool: Arc::clone(self.tool),
-                key: self.key.clone(),
-                waited,
-            };
-            let _ = OBSERVER.try_with(|observer| *observer.report.borrow_mut() = Some(report));
+        if self.observing == Observing::No {
+            return;
         }
+        let report = CallReport {
+            outcome,
+            tool: Arc::clone(self.tool),
+            key: self.key.clone(),
+            waited,
+        };
+        let observing = self.observing;
+        let _ = OBSERVER.try_with(|observer| {
+            if observing == Observing::Took || !observer.taken.replace(true) {
+                *observer.report.borrow_mut() = Some(report);
+            } else {
+                observer.parked.borrow_mut().get_or_insert(report);
+            }
+        });
     }
 }
 
 /// A [`Report`] on its way from one part of a call to another.
 #[derive(Clone, Copy)]
 pub(crate) struct Handover {
-    observing: bool,
+    observing: Observing,
 }
 
 impl Drop for Report<'_> {
@@ -502,6 +538,11 @@ impl Drop for Report<'_> {
         if self.tally.has(PANICKED) {
             self.report(CallOutcome::NotRecorded, Some("panic"));
         } else {
+            // Its caller stopped waiting: an `observe` around it reports another call.
+            if self.observing == Observing::Took {
+                let _ = OBSERVER.try_with(Observer::let_go);
+                self.observing = Observing::No;
+            }
             self.report(CallOutcome::Cancelled, Some("cancelled"));
         }
     }
@@ -520,25 +561,34 @@ pub(crate) fn rejected(tool: &str, call_id: Option<&str>, error: &Error) {
     metrics::call(&Arc::from(tool), CallOutcome::Rejected, "none", None, false);
 }
 
-/// A store operation, timed for the `idem_store_operation_duration_seconds` histogram
-/// when the `metrics` feature is on; just `operation` otherwise.
+/// A store operation: a panic in the store's code is the store's failure
+/// ([`Error::Store`]), never the caller's panic (a store that panics while recording a
+/// body's outcome must not make its caller, and then a retry, run the body again).
+/// Timed for the `idem_store_operation_duration_seconds` histogram when the `metrics`
+/// feature is on.
 pub(crate) async fn store_op<T>(
     store: &'static str,
     name: &'static str,
-    operation: impl Future<Output = T>,
-) -> T {
+    operation: impl Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
     #[cfg(feature = "metrics")]
-    {
-        let started = std::time::Instant::now();
-        let output = operation.await;
-        metrics::store_op(store, name, started.elapsed());
-        output
-    }
-    #[cfg(not(feature = "metrics"))]
-    {
-        let _ = (store, name);
-        operation.await
-    }
+    let started = std::time::Instant::now();
+    let mut operation = std::pin::pin!(operation);
+    let output = std::future::poll_fn(|cx| {
+        let polled =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| operation.as_mut().poll(cx)));
+        polled.unwrap_or_else(|_| {
+            tracing::error!(store, operation = name, "idem: the store panicked");
+            std::task::Poll::Ready(Err(Error::store(
+                store,
+                format!("the store panicked in {name}"),
+            )))
+        })
+    })
+    .await;
+    #[cfg(feature = "metrics")]
+    metrics::store_op(store, name, started.elapsed());
+    output
 }
 
 #[cfg(feature = "metrics")]
