@@ -228,7 +228,8 @@ enum Observing {
     /// It took the scope: it reports to it, or lets it go if its caller stops waiting.
     Took,
     /// Another call had taken the scope when it started (an outer call, or one beside
-    /// it): it reports if that call let the scope go by the time it ends.
+    /// it): it reports if that call let the scope go by the time it ends, else parks its
+    /// report, which stands if that call lets the scope go later.
     Pending,
 }
 
