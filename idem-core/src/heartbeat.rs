@@ -223,14 +223,16 @@ impl Entry {
             Ok(Fenced::Applied) => {}
             Ok(Fenced::LostLease) => {
                 if self.state.load(AtomicOrdering::SeqCst) == RUNNING {
-                    self.in_span(|| tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; stopping it"),
-                    );
+                    self.in_span(|| {
+                        tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; stopping it")
+                    });
                 }
                 self.stop(LOST);
             }
             Err(error) => {
-                self.in_span(|| tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again"),
-                );
+                self.in_span(|| {
+                    tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again")
+                });
                 timer::tick_at(self.id, Instant::now() + retry_after(self.every));
             }
         }
@@ -246,8 +248,9 @@ impl Periodic for Entry {
         }
         let now = Instant::now();
         if self.deadline.is_some_and(|deadline| now >= deadline) {
-            self.in_span(|| tracing::warn!(tool = %self.tool, key = %self.key, max_run = %Human(self.max_run), "idem: the body ran past its max_run; its claim is no longer renewed"),
-            );
+            self.in_span(|| {
+                tracing::warn!(tool = %self.tool, key = %self.key, max_run = %Human(self.max_run), "idem: the body ran past its max_run; its claim is no longer renewed")
+            });
             self.stop(OVER_MAX_RUN);
             return None;
         }
