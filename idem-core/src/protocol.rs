@@ -784,19 +784,34 @@ where
     C: ErrorPolicy<R::Err>,
 {
     let mut hit = None;
+    let looked_up = lookup(call, store, &mut |bytes| {
+        hit = Some(decode::<R, C>(&call.key, bytes, false));
+    });
+    match looked_up {
+        Ok(()) => hit,
+        Err(error) => Some(Err(error)),
+    }
+}
+
+/// The store's lookup on the hit path, lending a stored result to `replay`; shared by
+/// every tool. A panic in it (the store's code, or the result's `Deserialize`) is the
+/// store's failure, never the caller's panic.
+fn lookup(call: &Call, store: &dyn Store, replay: &mut dyn FnMut(&[u8])) -> Result<(), Error> {
+    let mut replayed = false;
     let looked_up = panic::catch_unwind(AssertUnwindSafe(|| {
         store.with_completed_result(&call.key, &call.fingerprint, &mut |bytes| {
-            hit = Some(decode::<R, C>(&call.key, bytes, false));
+            replayed = true;
+            replay(bytes);
         })
     }));
     if looked_up.is_err() {
         let why = "a panic in the lookup (the store's code, or the result's `Deserialize`)";
-        return Some(Err(Error::store(store.name(), why)));
+        return Err(Error::store(store.name(), why));
     }
-    if hit.is_some() {
+    if replayed {
         tracing::debug!(tool = %call.tool, key = %call.key, "idem: hit, replaying stored result");
     }
-    hit
+    Ok(())
 }
 
 /// What an acquired key gives the caller: the stored outcome, or the claim (and the
