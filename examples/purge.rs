@@ -137,6 +137,7 @@ async fn filled_memory(records: u64) -> MemoryStore {
     for i in 0..records {
         let key = Key::from_text(format!("purge_fill.{i:064x}"));
         let request = ClaimRequest {
+            origin: idem::store::Origin::new("purge", "purge_fill"),
             fingerprint: Fingerprint::from_bytes([7; 32]),
             token: Token::generate().unwrap(),
             lease: Duration::from_secs(60),

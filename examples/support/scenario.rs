@@ -100,6 +100,14 @@ pub fn filled_store(dir: &std::path::Path, records: u64, ttl: std::time::Duratio
                 state: idem::store::State::Completed {
                     result: result.clone(),
                 },
+                meta: idem::store::Meta {
+                    origin: Some(idem::store::Origin::new("bench-size", "send_email")),
+                    claimed_at: now,
+                    completed_at: Some(now),
+                    renewed_at: None,
+                    attempts: 1,
+                    takeovers: 0,
+                },
             };
             (call.key().as_str().as_bytes().to_vec(), record.encode())
         });

@@ -242,6 +242,17 @@ pub enum Error {
         reason: String,
     },
 
+    /// The store does not offer this operation (a custom store that implements only
+    /// the protocol's methods of [`Store`](crate::Store), not the operator's). Nothing
+    /// was changed.
+    #[error("the {store} store does not support `{operation}`")]
+    Unsupported {
+        /// Which store.
+        store: &'static str,
+        /// The operation asked for (`list`, `resolve`).
+        operation: &'static str,
+    },
+
     /// The store could not be reached or failed (I/O error, lost connection, locked
     /// database) before the operation ran: it was **not run**. Retry when the store is
     /// back.
@@ -286,6 +297,7 @@ impl Error {
             | Error::NoStore
             | Error::Input { .. }
             | Error::Random { .. }
+            | Error::Unsupported { .. }
             | Error::Store { .. } => None,
         }
     }
@@ -310,6 +322,7 @@ impl Error {
             Error::CorruptRecord { .. } => "corrupt_record",
             Error::UnsupportedFormat { .. } => "unsupported_format",
             Error::Random { .. } => "random",
+            Error::Unsupported { .. } => "unsupported",
             Error::Store { .. } => "store",
         }
     }

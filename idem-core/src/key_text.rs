@@ -21,6 +21,13 @@ impl Key {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The tool label: the text before the last `.` (the tool's name, shortened to its
+    /// last 64 characters, with characters other than ASCII letters, digits, `_` and
+    /// `-` replaced by `_`); `None` for a text with no `.`.
+    pub fn label(&self) -> Option<&str> {
+        self.0.rsplit_once('.').map(|(label, _)| label)
+    }
 }
 
 impl fmt::Display for Key {

@@ -898,6 +898,7 @@ async fn claim<P: Pause>(
     caches_errors: bool,
 ) -> Result<Claimed, Error> {
     let request = ClaimRequest {
+        origin: call.run.origin(&call.tool),
         fingerprint: call.fingerprint,
         token: Token::generate()?,
         lease: call.options.lease,
@@ -934,7 +935,7 @@ async fn claim_loop<P: Pause>(
     let mut waiting = Waiting::new(call);
     loop {
         let claim = match (Claiming {
-            claim: Some(claim_owned(store, key, *request)),
+            claim: Some(claim_owned(store, key, request.clone())),
             call,
             store,
             token: request.token,

@@ -1,22 +1,41 @@
 //! Records: what a store keeps under a key, and their byte encoding.
 //!
-//! # Encoding (format version 1)
+//! # Encoding (format version 2)
 //!
 //! ```text
 //! offset  size  field
 //! 0       4     magic "idem"
-//! 4       1     format version (1)
+//! 4       1     format version (2)
 //! 5       1     state: 0 in progress, 1 completed, 2 failed
 //! 6       32    input fingerprint (SHA-256)
-//! 38      8     created at, ms since the Unix epoch, big-endian
-//! 46      8     expires at, ms since the Unix epoch, big-endian
-//! 54      ..    in progress: owner token (16 bytes) + lease until (8 bytes)
-//!               completed / failed: the serialized result / error (JSON), to the end
+//! 38      8     written at: the record's last write (claim, renewal, completion)
+//! 46      8     expires at
+//! 54      16    owner token (in progress; zero otherwise)
+//! 70      8     lease until (in progress; zero otherwise)
+//! 78      8     completed at (zero: not completed)
+//! 86      8     last renewed at (zero: never renewed)
+//! 94      8     first claimed at
+//! 102     4     attempts: claims that ran the body (the first, takeovers, retries)
+//! 106     4     takeovers of an abandoned claim
+//! 110     4     origin length N (zero: no origin)
+//! 114     N     origin: tenant, run id, call id, tool; each a presence byte (0 or 1),
+//!               then, if present, a 4-byte length and the UTF-8 text
+//! 114+N   ..    completed / failed: the serialized result / error (JSON), to the end
 //! ```
 //!
-//! The Redis store keeps these same bytes with its times counted from the moment Redis
-//! stored the record, since a native `SET` cannot read the server's clock (see the
-//! Redis store's module docs, feature `redis`).
+//! Times are milliseconds since the Unix epoch, every integer is big-endian. The
+//! input itself is never stored: its fingerprint is enough to tell inputs apart, and
+//! inputs may hold personal data.
+//!
+//! Records of format version 1 (idem 0.1: the first 54 bytes above, then the token and
+//! lease of a claim or the payload) still decode, with no origin ([`Meta::origin`] is
+//! `None`), and are replayed; every write is in version 2.
+//!
+//! The Redis store keeps these same bytes with the header's times (written at,
+//! expires at, lease until) counted from the moment Redis stored the record, since a
+//! native `SET` cannot read the server's clock (see the Redis store's module docs,
+//! feature `redis`); the metadata's times (completed, renewed, claimed) are the
+//! writing worker's clock there.
 //!
 //! Bytes that do not start with the magic, are too short, or carry an unknown state are
 //! an [`Error::CorruptRecord`]; a known magic with an unknown version is an
@@ -24,7 +43,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::key::Fingerprint;
@@ -34,7 +53,7 @@ use crate::{Error, Key};
 ///
 /// The memory and sled stores use the process clock ([`Timestamp::now`]); a store
 /// shared by several machines documents which clock it uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Timestamp(pub(crate) u64);
 
 impl Timestamp {
@@ -159,31 +178,156 @@ pub enum State {
 pub struct Record {
     /// Fingerprint of the whole input of the call that created the record.
     pub fingerprint: Fingerprint,
-    /// When the record was written.
+    /// When the record was last written: claimed, renewed or completed.
     pub created_at: Timestamp,
     /// When the record stops existing. Every read path treats an expired record as absent.
     pub expires_at: Timestamp,
     /// In progress, completed or failed.
     pub state: State,
+    /// Whose record it is and what happened to it: for operators, never for decisions.
+    pub meta: Meta,
+}
+
+/// Who made a record, and its history: what an operator lists and filters records by
+/// (see `Store::list`). No decision of the protocol reads it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Meta {
+    /// The run, tenant, call id and tool of the call that first claimed the key;
+    /// `None` for a record written by idem 0.1 (format version 1), which kept none.
+    pub origin: Option<Origin>,
+    /// When the key was first claimed (kept across renewals, takeovers and retries).
+    pub claimed_at: Timestamp,
+    /// When the outcome was recorded; `None` while in progress.
+    pub completed_at: Option<Timestamp>,
+    /// When the running call last renewed its claim; `None` if it never did.
+    pub renewed_at: Option<Timestamp>,
+    /// How many claims ran the body: the first, then each takeover and each retry of a
+    /// cached error. 0 for a record of format version 1, which did not count.
+    pub attempts: u32,
+    /// How many of those attempts took over an abandoned claim.
+    pub takeovers: u32,
+}
+
+/// Who calls: the parts of a key besides its input, kept in the record in clear (the
+/// key itself holds only their hash). Cheap to clone.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Origin {
+    /// The tenant, if the run has one.
+    pub tenant: Option<Arc<str>>,
+    /// The run id.
+    pub run_id: Arc<str>,
+    /// The call id, if the run has one.
+    pub call_id: Option<Arc<str>>,
+    /// The tool.
+    pub tool: Arc<str>,
+}
+
+impl Origin {
+    /// An origin of `tool` in run `run_id`, without tenant or call id.
+    pub fn new(run_id: impl Into<Arc<str>>, tool: impl Into<Arc<str>>) -> Self {
+        Origin {
+            tenant: None,
+            run_id: run_id.into(),
+            call_id: None,
+            tool: tool.into(),
+        }
+    }
+
+    fn parts(&self) -> [Option<&str>; 4] {
+        [
+            self.tenant.as_deref(),
+            Some(&self.run_id),
+            self.call_id.as_deref(),
+            Some(&self.tool),
+        ]
+    }
+
+    /// The encoded length: a presence byte per part, and a length and the text of each
+    /// present one.
+    fn encoded_len(&self) -> usize {
+        self.parts()
+            .iter()
+            .map(|part| 1 + part.map_or(0, |text| 4 + text.len()))
+            .sum()
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        for part in self.parts() {
+            match part {
+                None => out.push(0),
+                Some(text) => {
+                    out.push(1);
+                    out.extend_from_slice(&len32(text.len()).to_be_bytes());
+                    out.extend_from_slice(text.as_bytes());
+                }
+            }
+        }
+    }
+
+    fn decode(mut bytes: &[u8]) -> Result<Origin, &'static str> {
+        let mut part = || -> Result<Option<Arc<str>>, &'static str> {
+            let (&tag, rest) = bytes.split_first().ok_or("truncated origin")?;
+            bytes = rest;
+            match tag {
+                0 => Ok(None),
+                1 => {
+                    let len = bytes.get(..4).ok_or("truncated origin")?;
+                    let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+                    let text = bytes.get(4..4 + len).ok_or("truncated origin")?;
+                    bytes = &bytes[4 + len..];
+                    std::str::from_utf8(text)
+                        .map(|text| Some(Arc::from(text)))
+                        .map_err(|_| "origin is not UTF-8")
+                }
+                _ => Err("bad origin part tag"),
+            }
+        };
+        let (tenant, run_id, call_id, tool) = (part()?, part()?, part()?, part()?);
+        if !bytes.is_empty() {
+            return Err("trailing bytes in origin");
+        }
+        Ok(Origin {
+            tenant,
+            run_id: run_id.ok_or("origin without run id")?,
+            call_id,
+            tool: tool.ok_or("origin without tool")?,
+        })
+    }
+}
+
+/// A length as the encoding writes it; a text longer than 4 GiB cannot reach a store
+/// (a key part is bounded by memory long before), and saturates.
+fn len32(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
 }
 
 const MAGIC: &[u8; 4] = b"idem";
-/// The record format version this build writes.
-pub const FORMAT_VERSION: u8 = 1;
-/// The length of the fixed header, which completed and failed records follow with
-/// their payload.
-pub(crate) const HEADER: usize = 4 + 1 + 1 + 32 + 8 + 8;
+/// The record format version this build writes. Version 1 still decodes.
+pub const FORMAT_VERSION: u8 = 2;
+/// The length of format 1's header, which its records follow with a claim's token and
+/// lease or with a payload.
+const HEADER_V1: usize = 4 + 1 + 1 + 32 + 8 + 8;
+/// The length of the fixed part of a record, which its origin follows.
+pub(crate) const HEADER: usize = HEADER_V1 + 16 + 8 + 8 + 8 + 8 + 4 + 4 + 4;
 /// The first bytes of every encoded in-progress record: magic, version, state 0.
 #[cfg(feature = "redis")]
 pub(crate) const IN_PROGRESS_TAG: [u8; 6] =
     [MAGIC[0], MAGIC[1], MAGIC[2], MAGIC[3], FORMAT_VERSION, 0];
 /// Where the fingerprint is in an encoded record.
 pub(crate) const FINGERPRINT_AT: usize = 6;
-/// Where the owner token is in an encoded in-progress record.
+/// Where the owner token is in an encoded record.
 #[cfg(feature = "redis")]
-pub(crate) const TOKEN_AT: usize = HEADER;
-/// The length of an encoded in-progress record.
-pub(crate) const IN_PROGRESS_LEN: usize = HEADER + 16 + 8;
+pub(crate) const TOKEN_AT: usize = HEADER_V1;
+/// Where the completion time is: a completion writes the fields before it and keeps
+/// the ones after it.
+#[cfg(feature = "redis")]
+pub(crate) const COMPLETED_AT: usize = HEADER_V1 + 24;
+/// Where the first claim's time is: a renewal writes the fields before it and keeps
+/// the ones after it.
+#[cfg(feature = "redis")]
+pub(crate) const CLAIMED_AT: usize = HEADER_V1 + 40;
+/// Where the origin's length is.
+const ORIGIN_LEN_AT: usize = HEADER - 4;
 
 impl Record {
     /// Whether the record has expired at `now` (and so must be treated as absent).
@@ -193,12 +337,13 @@ impl Record {
 
     /// Encodes the record (see the module docs for the layout).
     pub fn encode(&self) -> Vec<u8> {
+        let origin = self.meta.origin.as_ref().map_or(0, Origin::encoded_len);
         let payload = match &self.state {
-            State::InProgress { .. } => IN_PROGRESS_LEN - HEADER,
+            State::InProgress { .. } => 0,
             State::Completed { result } => result.len(),
             State::Failed { error } => error.len(),
         };
-        let mut out = Vec::with_capacity(HEADER + payload);
+        let mut out = Vec::with_capacity(HEADER + origin + payload);
         out.extend_from_slice(MAGIC);
         out.push(FORMAT_VERSION);
         out.push(match self.state {
@@ -209,44 +354,57 @@ impl Record {
         out.extend_from_slice(self.fingerprint.as_bytes());
         out.extend_from_slice(&self.created_at.0.to_be_bytes());
         out.extend_from_slice(&self.expires_at.0.to_be_bytes());
-        match &self.state {
-            State::InProgress { token, lease_until } => {
-                out.extend_from_slice(&token.0.to_be_bytes());
-                out.extend_from_slice(&lease_until.0.to_be_bytes());
-            }
-            State::Completed { result: bytes } | State::Failed { error: bytes } => {
-                out.extend_from_slice(bytes)
-            }
+        let (token, lease_until) = match self.state {
+            State::InProgress { token, lease_until } => (token.0, lease_until.0),
+            _ => (0, 0),
+        };
+        out.extend_from_slice(&token.to_be_bytes());
+        out.extend_from_slice(&lease_until.to_be_bytes());
+        let meta = &self.meta;
+        for time in [meta.completed_at, meta.renewed_at] {
+            out.extend_from_slice(&time.map_or(0, |t| t.0).to_be_bytes());
+        }
+        out.extend_from_slice(&meta.claimed_at.0.to_be_bytes());
+        out.extend_from_slice(&meta.attempts.to_be_bytes());
+        out.extend_from_slice(&meta.takeovers.to_be_bytes());
+        out.extend_from_slice(&len32(origin).to_be_bytes());
+        if let Some(o) = &meta.origin {
+            o.encode(&mut out);
+        }
+        if let State::Completed { result: bytes } | State::Failed { error: bytes } = &self.state {
+            out.extend_from_slice(bytes);
         }
         out
     }
 
-    /// Reads only the expiry of an encoded record (for purging without copying
-    /// results). The same checks as [`Record::decode`] on the header.
-    pub fn decode_expiry(key: &str, bytes: &[u8]) -> Result<Timestamp, Error> {
+    /// Checks the magic and the version: `Ok` with the version of a record this build
+    /// reads.
+    fn version(key: &str, bytes: &[u8]) -> Result<u8, Error> {
         if bytes.len() < 5 || &bytes[..4] != MAGIC {
             return Err(Error::CorruptRecord {
                 key: Key::from_text(key),
                 reason: "not an idem record (bad magic)".to_owned(),
             });
         }
-        if bytes[4] != FORMAT_VERSION {
-            return Err(Error::UnsupportedFormat {
+        match bytes[4] {
+            version @ (1 | FORMAT_VERSION) => Ok(version),
+            version => Err(Error::UnsupportedFormat {
                 key: Key::from_text(key),
-                version: bytes[4],
-            });
+                version,
+            }),
         }
-        let mut b = [0u8; 8];
-        match bytes.get(46..54) {
-            Some(slice) => b.copy_from_slice(slice),
-            None => {
-                return Err(Error::CorruptRecord {
-                    key: Key::from_text(key),
-                    reason: "truncated header".to_owned(),
-                })
-            }
-        }
-        Ok(Timestamp(u64::from_be_bytes(b)))
+    }
+
+    /// Reads only the expiry of an encoded record (for purging without copying
+    /// results). The same checks as [`Record::decode`] on the header.
+    pub fn decode_expiry(key: &str, bytes: &[u8]) -> Result<Timestamp, Error> {
+        Self::version(key, bytes)?;
+        u64_at(bytes, 46)
+            .map(Timestamp)
+            .ok_or_else(|| Error::CorruptRecord {
+                key: Key::from_text(key),
+                reason: "truncated header".to_owned(),
+            })
     }
 
     /// The result in an encoded record, read in place, if a claim would replay it: the
@@ -258,15 +416,22 @@ impl Record {
         fingerprint: &Fingerprint,
         now: Timestamp,
     ) -> Option<&'a [u8]> {
-        let header = bytes.get(..HEADER)?;
-        let mut expires_at = [0u8; 8];
-        expires_at.copy_from_slice(&header[46..54]);
+        let header = bytes.get(..HEADER_V1)?;
         let replayable = header[..4] == *MAGIC
-            && header[4] == FORMAT_VERSION
             && header[5] == 1
             && header[6..38] == fingerprint.as_bytes()[..]
-            && Timestamp(u64::from_be_bytes(expires_at)) > now;
-        replayable.then(|| &bytes[HEADER..])
+            && Timestamp(u64_at(header, 46)?) > now;
+        if !replayable {
+            return None;
+        }
+        match header[4] {
+            FORMAT_VERSION => {
+                let origin = u32_at(bytes, ORIGIN_LEN_AT)? as usize;
+                bytes.get(HEADER.checked_add(origin)?..)
+            }
+            1 => Some(&bytes[HEADER_V1..]),
+            _ => None,
+        }
     }
 
     /// Decodes a record read under `key`. Never panics, whatever the bytes.
@@ -275,38 +440,47 @@ impl Record {
             key: Key::from_text(key),
             reason: reason.to_owned(),
         };
-        if bytes.len() < 5 || &bytes[..4] != MAGIC {
-            return Err(corrupt("not an idem record (bad magic)"));
+        let version = Self::version(key, bytes)?;
+        if bytes.len() < HEADER_V1 {
+            return Err(corrupt("truncated header"));
         }
-        if bytes[4] != FORMAT_VERSION {
-            return Err(Error::UnsupportedFormat {
-                key: Key::from_text(key),
-                version: bytes[4],
-            });
+        let mut fp = [0u8; 32];
+        fp.copy_from_slice(&bytes[FINGERPRINT_AT..FINGERPRINT_AT + 32]);
+        let at = |offset: usize| u64_at(bytes, offset).map(Timestamp);
+        let (created_at, expires_at) = (at(38), at(46));
+        let (created_at, expires_at) = created_at
+            .zip(expires_at)
+            .ok_or_else(|| corrupt("truncated header"))?;
+        if version == 1 {
+            return Self::decode_v1(bytes, fp, created_at, expires_at).map_err(corrupt);
         }
         if bytes.len() < HEADER {
             return Err(corrupt("truncated header"));
         }
-        let u64_at = |at: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&bytes[at..at + 8]);
-            u64::from_be_bytes(b)
+        let some = |t: Timestamp| (t.0 != 0).then_some(t);
+        let origin_len = u32_at(bytes, ORIGIN_LEN_AT).unwrap_or(0) as usize;
+        let origin = bytes
+            .get(HEADER..HEADER.saturating_add(origin_len))
+            .ok_or_else(|| corrupt("truncated origin"))?;
+        let rest = &bytes[HEADER + origin_len..];
+        let meta = Meta {
+            origin: if origin.is_empty() {
+                None
+            } else {
+                Some(Origin::decode(origin).map_err(corrupt)?)
+            },
+            completed_at: at(78).and_then(some),
+            renewed_at: at(86).and_then(some),
+            claimed_at: at(94).unwrap_or_default(),
+            attempts: u32_at(bytes, 102).unwrap_or(0),
+            takeovers: u32_at(bytes, 106).unwrap_or(0),
         };
-        let mut fp = [0u8; 32];
-        fp.copy_from_slice(&bytes[FINGERPRINT_AT..FINGERPRINT_AT + 32]);
-        let rest = &bytes[HEADER..];
         let state = match bytes[5] {
-            0 => {
-                if bytes.len() != IN_PROGRESS_LEN {
-                    return Err(corrupt("in-progress record of wrong length"));
-                }
-                let mut t = [0u8; 16];
-                t.copy_from_slice(&rest[..16]);
-                State::InProgress {
-                    token: Token(u128::from_be_bytes(t)),
-                    lease_until: Timestamp(u64_at(HEADER + 16)),
-                }
-            }
+            0 if rest.is_empty() => State::InProgress {
+                token: Token(u128_at(bytes, 54).unwrap_or(0)),
+                lease_until: at(70).unwrap_or_default(),
+            },
+            0 => return Err(corrupt("in-progress record with a payload")),
             1 => State::Completed {
                 result: rest.to_vec(),
             },
@@ -317,11 +491,64 @@ impl Record {
         };
         Ok(Record {
             fingerprint: Fingerprint::from_bytes(fp),
-            created_at: Timestamp(u64_at(38)),
-            expires_at: Timestamp(u64_at(46)),
+            created_at,
+            expires_at,
             state,
+            meta,
         })
     }
+
+    /// Format 1's body: a claim's token and lease, or the payload. Such a record has
+    /// no origin and did not count its attempts; its first claim is taken to be its
+    /// last write.
+    fn decode_v1(
+        bytes: &[u8],
+        fingerprint: [u8; 32],
+        created_at: Timestamp,
+        expires_at: Timestamp,
+    ) -> Result<Record, &'static str> {
+        let rest = &bytes[HEADER_V1..];
+        let state = match bytes[5] {
+            0 if rest.len() == 24 => State::InProgress {
+                token: Token(u128_at(rest, 0).unwrap_or(0)),
+                lease_until: Timestamp(u64_at(rest, 16).unwrap_or(0)),
+            },
+            0 => return Err("in-progress record of wrong length"),
+            1 => State::Completed {
+                result: rest.to_vec(),
+            },
+            2 => State::Failed {
+                error: rest.to_vec(),
+            },
+            _ => return Err("unknown state tag"),
+        };
+        let completed_at = (!matches!(state, State::InProgress { .. })).then_some(created_at);
+        Ok(Record {
+            fingerprint: Fingerprint::from_bytes(fingerprint),
+            created_at,
+            expires_at,
+            state,
+            meta: Meta {
+                claimed_at: created_at,
+                completed_at,
+                ..Meta::default()
+            },
+        })
+    }
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_be_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_be_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
+}
+
+fn u128_at(bytes: &[u8], at: usize) -> Option<u128> {
+    Some(u128::from_be_bytes(
+        bytes.get(at..at + 16)?.try_into().ok()?,
+    ))
 }
 
 #[cfg(test)]
@@ -385,7 +612,128 @@ mod tests {
             created_at: Timestamp(1),
             expires_at: Timestamp(u64::MAX),
             state,
+            meta: Meta {
+                origin: Some(Origin {
+                    tenant: Some("acme".into()),
+                    run_id: "run-1".into(),
+                    call_id: None,
+                    tool: "send_email".into(),
+                }),
+                claimed_at: Timestamp(1),
+                completed_at: Some(Timestamp(2)),
+                renewed_at: None,
+                attempts: 2,
+                takeovers: 1,
+            },
         }
+    }
+
+    /// Format 1's encoder, as idem 0.1 wrote records: kept here so that records of
+    /// that format are checked to read back.
+    fn encode_v1(fingerprint: [u8; 32], created: u64, expires: u64, state: &State) -> Vec<u8> {
+        let mut out = b"idem\x01".to_vec();
+        out.push(match state {
+            State::InProgress { .. } => 0,
+            State::Completed { .. } => 1,
+            State::Failed { .. } => 2,
+        });
+        out.extend_from_slice(&fingerprint);
+        out.extend_from_slice(&created.to_be_bytes());
+        out.extend_from_slice(&expires.to_be_bytes());
+        match state {
+            State::InProgress { token, lease_until } => {
+                out.extend_from_slice(&token.0.to_be_bytes());
+                out.extend_from_slice(&lease_until.0.to_be_bytes());
+            }
+            State::Completed { result: b } | State::Failed { error: b } => out.extend_from_slice(b),
+        }
+        out
+    }
+
+    #[test]
+    fn records_of_format_1_read_back_and_replay() {
+        // A completed record exactly as idem 0.1 stored it (bytes written out by hand).
+        let mut golden = b"idem\x01\x01".to_vec();
+        golden.extend_from_slice(&[7; 32]);
+        golden.extend_from_slice(&1_000u64.to_be_bytes());
+        golden.extend_from_slice(&5_000u64.to_be_bytes());
+        golden.extend_from_slice(b"\"m-1\"");
+        let states = [
+            State::InProgress {
+                token: Token(u128::MAX - 5),
+                lease_until: Timestamp(3_000),
+            },
+            State::Completed {
+                result: b"\"m-1\"".to_vec(),
+            },
+            State::Completed { result: vec![] },
+            State::Failed {
+                error: b"\"declined\"".to_vec(),
+            },
+        ];
+        assert_eq!(encode_v1([7; 32], 1_000, 5_000, &states[1]), golden);
+        for state in states {
+            let bytes = encode_v1([7; 32], 1_000, 5_000, &state);
+            let record = Record::decode("k", &bytes).unwrap();
+            let done = !matches!(state, State::InProgress { .. });
+            assert_eq!(
+                record,
+                Record {
+                    fingerprint: Fingerprint::from_bytes([7; 32]),
+                    created_at: Timestamp(1_000),
+                    expires_at: Timestamp(5_000),
+                    state: state.clone(),
+                    meta: Meta {
+                        claimed_at: Timestamp(1_000),
+                        completed_at: done.then_some(Timestamp(1_000)),
+                        ..Meta::default()
+                    },
+                }
+            );
+            assert_eq!(
+                Record::decode_expiry("k", &bytes).unwrap(),
+                Timestamp(5_000)
+            );
+            let fp = Fingerprint::from_bytes([7; 32]);
+            let replayed = Record::replayable_result(&bytes, &fp, Timestamp(4_999));
+            match &state {
+                State::Completed { result } => assert_eq!(replayed, Some(&result[..])),
+                _ => assert_eq!(replayed, None),
+            }
+            assert_eq!(
+                Record::replayable_result(&bytes, &fp, Timestamp(5_000)),
+                None
+            );
+            // Written again, it is format 2 and reads back the same.
+            let again = record.encode();
+            assert_eq!(again[4], FORMAT_VERSION);
+            assert_eq!(Record::decode("k", &again).unwrap(), record);
+        }
+    }
+
+    #[test]
+    fn every_origin_shape_round_trips() {
+        for (tenant, call_id) in [
+            (None, None),
+            (Some(""), Some("call-7")),
+            (Some("é\0"), None),
+        ] {
+            let mut r = sample(State::Completed {
+                result: b"1".to_vec(),
+            });
+            r.meta.origin = Some(Origin {
+                tenant: tenant.map(Arc::from),
+                run_id: "".into(),
+                call_id: call_id.map(Arc::from),
+                tool: "t".into(),
+            });
+            assert_eq!(Record::decode("k", &r.encode()).unwrap(), r);
+        }
+        let mut r = sample(State::Completed {
+            result: b"1".to_vec(),
+        });
+        r.meta = Meta::default();
+        assert_eq!(Record::decode("k", &r.encode()).unwrap(), r);
     }
 
     /// The Redis store's scripts read in-progress records by these offsets.
@@ -397,8 +745,9 @@ mod tests {
             lease_until: Timestamp(9),
         })
         .encode();
-        assert_eq!(bytes.len(), IN_PROGRESS_LEN);
         assert_eq!(bytes[..6], IN_PROGRESS_TAG);
+        assert_eq!(bytes[COMPLETED_AT..COMPLETED_AT + 8], 2u64.to_be_bytes());
+        assert_eq!(bytes[CLAIMED_AT..CLAIMED_AT + 8], 1u64.to_be_bytes());
         assert_eq!(bytes[FINGERPRINT_AT..FINGERPRINT_AT + 32], [7; 32]);
         assert_eq!(
             bytes[TOKEN_AT..TOKEN_AT + 16],
@@ -450,6 +799,12 @@ mod tests {
             Timestamp(u64::MAX)
         );
         assert!(Record::decode_expiry("k", &good[..50]).is_err());
+        let mut origin = good.clone();
+        origin[ORIGIN_LEN_AT + 3] += 1;
+        assert!(matches!(
+            Record::decode("k4", &origin),
+            Err(Error::CorruptRecord { ref key, .. }) if key == "k4"
+        ));
         let mut tag = good;
         tag[5] = 7;
         assert!(matches!(

@@ -102,6 +102,16 @@ impl Run {
         self.inner.call_id.as_deref()
     }
 
+    /// Who calls `tool` in this run, as a record keeps it.
+    pub(crate) fn origin(&self, tool: &Arc<str>) -> crate::store::Origin {
+        crate::store::Origin {
+            tenant: self.inner.tenant.clone(),
+            run_id: Arc::clone(&self.inner.id),
+            call_id: self.inner.call_id.clone(),
+            tool: Arc::clone(tool),
+        }
+    }
+
     /// The store of this run: the one given with [`Run::with_store`], else the default
     /// store (opened on first use; opening can fail, hence the `Result`).
     pub fn store(&self) -> Result<Arc<dyn Store>, Error> {

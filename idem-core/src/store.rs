@@ -30,12 +30,14 @@ use async_trait::async_trait;
 
 pub use crate::key::{Fingerprint, KeyParts};
 pub use crate::key_text::Key;
-pub use crate::record::{Record, State, Timestamp, Token, FORMAT_VERSION};
+pub use crate::record::{Meta, Origin, Record, State, Timestamp, Token, FORMAT_VERSION};
 use crate::Error;
 
 /// What a caller asks for when it claims a key.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ClaimRequest {
+    /// Who calls: kept in the record's [`Meta`] when the claim writes one.
+    pub origin: Origin,
     /// Fingerprint of the caller's whole input.
     pub fingerprint: Fingerprint,
     /// The caller's fencing token, written into the record if the claim succeeds.
@@ -174,6 +176,80 @@ pub trait Store: Send + Sync + 'static {
     /// Physically removes expired records; returns how many were removed.
     async fn purge_expired(&self) -> Result<u64, Error>;
 
+    /// One page of the live records that match `filter`, in an order the store keeps
+    /// from page to page: the first page with `after = None`, then each next one with
+    /// the previous page's [`Page::next`] until it is `None`. A page holds at most
+    /// `limit` records (it may hold fewer, even none, and still have a next page), so
+    /// any number of records can be walked without holding them all.
+    ///
+    /// A record written or removed while the pages are walked may be listed or not;
+    /// one that stays all along is listed exactly once. The default is
+    /// [`Error::Unsupported`].
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        let _ = (filter, after, limit);
+        Err(Error::Unsupported {
+            store: self.name(),
+            operation: "list",
+        })
+    }
+
+    /// How many live records match `filter`, by state. The default walks
+    /// [`Store::list`].
+    async fn count(&self, filter: &Filter) -> Result<Counts, Error> {
+        let (mut counts, mut after) = (Counts::default(), None);
+        loop {
+            let page = self.list(filter, after.as_ref(), WALK_PAGE).await?;
+            for listed in &page.records {
+                counts.add(StateKind::of(&listed.record, page.now));
+            }
+            match page.next {
+                Some(next) => after = Some(next),
+                None => return Ok(counts),
+            }
+        }
+    }
+
+    /// Removes every live record that matches `filter`, whatever its state (a call
+    /// running under one loses its lease); returns how many were removed. The default
+    /// walks [`Store::list`] and deletes each record with [`Store::delete`].
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        let (mut removed, mut after) = (0, None);
+        loop {
+            let page = self.list(filter, after.as_ref(), WALK_PAGE).await?;
+            for listed in &page.records {
+                removed += u64::from(self.delete(&listed.key).await?);
+            }
+            match page.next {
+                Some(next) => after = Some(next),
+                None => return Ok(removed),
+            }
+        }
+    }
+
+    /// Settles an abandoned claim: the record under `key` is resolved only if it is in
+    /// progress under `token` and its lease has run out (its call stopped without an
+    /// outcome); otherwise nothing is written and the answer is
+    /// [`Fenced::LostLease`]. [`Resolution::Completed`] records the result (the next
+    /// call replays it), [`Resolution::Released`] removes the claim (the next call
+    /// runs). The default is [`Error::Unsupported`].
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        let _ = (key, token, resolution);
+        Err(Error::Unsupported {
+            store: self.name(),
+            operation: "resolve",
+        })
+    }
+
     /// The largest serialized result this store keeps, in bytes. A larger result is
     /// [`Error::ResultTooLarge`], never a store error half-way through a write.
     /// Default: [`DEFAULT_MAX_RESULT_BYTES`].
@@ -261,6 +337,28 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     async fn purge_expired(&self) -> Result<u64, Error> {
         (**self).purge_expired().await
     }
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        (**self).list(filter, after, limit).await
+    }
+    async fn count(&self, filter: &Filter) -> Result<Counts, Error> {
+        (**self).count(filter).await
+    }
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        (**self).delete_matching(filter).await
+    }
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        (**self).resolve(key, token, resolution).await
+    }
     fn max_result_bytes(&self) -> usize {
         (**self).max_result_bytes()
     }
@@ -292,27 +390,40 @@ pub fn decide_claim(
     request: &ClaimRequest,
     now: Timestamp,
 ) -> (Claim, Option<Record>) {
-    let fresh = || {
-        in_progress(
-            request.fingerprint,
-            request.token,
-            now,
-            request.lease,
-            request.ttl,
-        )
+    // A new claim: the first one (no history), or another attempt at a key whose
+    // earlier one failed or was abandoned (its history goes on).
+    let claim = |history: Option<&Meta>, took_over: bool| {
+        let meta = match history {
+            None => Meta {
+                origin: Some(request.origin.clone()),
+                claimed_at: now,
+                completed_at: None,
+                renewed_at: None,
+                attempts: 1,
+                takeovers: 0,
+            },
+            Some(meta) => Meta {
+                origin: meta.origin.clone().or_else(|| Some(request.origin.clone())),
+                claimed_at: meta.claimed_at,
+                completed_at: None,
+                renewed_at: None,
+                attempts: meta.attempts.saturating_add(1),
+                takeovers: meta.takeovers.saturating_add(u32::from(took_over)),
+            },
+        };
+        let record = in_progress(request, now, meta);
+        (Claim::Acquired { took_over }, Some(record))
     };
     let existing = match existing {
         Some(r) if !r.is_expired(now) => r,
-        _ => return (Claim::Acquired { took_over: false }, Some(fresh())),
+        _ => return claim(None, false),
     };
     if existing.fingerprint != request.fingerprint {
         return (Claim::Mismatch, None);
     }
     match &existing.state {
         State::Completed { result } => (Claim::Completed(result.clone()), None),
-        State::Failed { .. } if request.retry_failed => {
-            (Claim::Acquired { took_over: false }, Some(fresh()))
-        }
+        State::Failed { .. } if request.retry_failed => claim(Some(&existing.meta), false),
         State::Failed { error } => (Claim::Failed(error.clone()), None),
         State::InProgress { lease_until, .. } if *lease_until > now => (
             Claim::Busy {
@@ -320,9 +431,7 @@ pub fn decide_claim(
             },
             None,
         ),
-        State::InProgress { .. } if request.take_over_expired => {
-            (Claim::Acquired { took_over: true }, Some(fresh()))
-        }
+        State::InProgress { .. } if request.take_over_expired => claim(Some(&existing.meta), true),
         State::InProgress { .. } => (
             Claim::Abandoned {
                 expires_at: existing.expires_at,
@@ -332,21 +441,19 @@ pub fn decide_claim(
     }
 }
 
-/// An in-progress record written at `now`: its lease ends `lease` later, and the record
-/// expires `ttl` after the lease.
-fn in_progress(
-    fingerprint: Fingerprint,
-    token: Token,
-    now: Timestamp,
-    lease: Duration,
-    ttl: Duration,
-) -> Record {
-    let lease_until = now.after(lease);
+/// The claim `request` asks for, written at `now`: its lease ends `lease` later, and
+/// the record expires `ttl` after the lease.
+fn in_progress(request: &ClaimRequest, now: Timestamp, meta: Meta) -> Record {
+    let lease_until = now.after(request.lease);
     Record {
-        fingerprint,
+        fingerprint: request.fingerprint,
         created_at: now,
-        expires_at: lease_until.after(ttl),
-        state: State::InProgress { token, lease_until },
+        expires_at: lease_until.after(request.ttl),
+        state: State::InProgress {
+            token: request.token,
+            lease_until,
+        },
+        meta,
     }
 }
 
@@ -368,20 +475,286 @@ pub fn decide_fenced(
         return Err(Fenced::LostLease);
     };
     Ok(match write {
-        OwnerWrite::Complete { outcome, ttl } => Some(Record {
-            fingerprint: r.fingerprint,
-            created_at: now,
-            expires_at: now.after(ttl),
-            state: match outcome {
-                Outcome::Completed(b) => State::Completed { result: b.to_vec() },
-                Outcome::Failed(b) => State::Failed { error: b.to_vec() },
-            },
-        }),
+        OwnerWrite::Complete { outcome, ttl } => Some(completed(r, outcome, ttl, now)),
         OwnerWrite::Renew { lease, ttl } => {
-            Some(in_progress(r.fingerprint, token, now, lease, ttl))
+            let lease_until = now.after(lease);
+            Some(Record {
+                fingerprint: r.fingerprint,
+                created_at: now,
+                expires_at: lease_until.after(ttl),
+                state: State::InProgress { token, lease_until },
+                meta: Meta {
+                    renewed_at: Some(now),
+                    ..r.meta.clone()
+                },
+            })
         }
         OwnerWrite::Release => None,
     })
+}
+
+/// `claim` with `outcome` recorded at `now`, kept for `ttl`: its history goes on.
+fn completed(claim: &Record, outcome: Outcome<'_>, ttl: Duration, now: Timestamp) -> Record {
+    Record {
+        fingerprint: claim.fingerprint,
+        created_at: now,
+        expires_at: now.after(ttl),
+        state: match outcome {
+            Outcome::Completed(b) => State::Completed { result: b.to_vec() },
+            Outcome::Failed(b) => State::Failed { error: b.to_vec() },
+        },
+        meta: Meta {
+            completed_at: Some(now),
+            ..claim.meta.clone()
+        },
+    }
+}
+
+/// The resolution rule shared by in-process stores: given the record under the key,
+/// the record to write (`None` to remove it) if it is an abandoned claim of `token`
+/// at `now`, or `LostLease`.
+pub fn decide_resolution(
+    existing: Option<&Record>,
+    token: Token,
+    resolution: Resolution<'_>,
+    now: Timestamp,
+) -> Result<Option<Record>, Fenced> {
+    let abandoned = existing.filter(|r| {
+        !r.is_expired(now)
+            && matches!(r.state, State::InProgress { token: owner, lease_until }
+                if owner == token && lease_until <= now)
+    });
+    let Some(r) = abandoned else {
+        return Err(Fenced::LostLease);
+    };
+    Ok(match resolution {
+        Resolution::Completed { result, ttl } => {
+            Some(completed(r, Outcome::Completed(result), ttl, now))
+        }
+        Resolution::Released => None,
+    })
+}
+
+/// How an abandoned claim is settled ([`Store::resolve`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Resolution<'a> {
+    /// The call did happen, with this serialized result: record it, kept for `ttl`.
+    Completed {
+        /// The serialized `Ok` value, as the tool would have stored it.
+        result: &'a [u8],
+        /// How long the result is kept.
+        ttl: Duration,
+    },
+    /// The call never happened: remove the claim, so the next call runs.
+    Released,
+}
+
+/// The state of a record as an operator sees it, with its lease read against a clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StateKind {
+    /// In progress, its lease alive: a call is running (or its process stopped within
+    /// the lease).
+    Running,
+    /// In progress, its lease run out: the call stopped without an outcome. An
+    /// at-most-once tool answers [`Error::OutcomeUnknown`] until it is resolved; an
+    /// at-least-once one takes it over at the next call.
+    Abandoned,
+    /// Completed: the next call replays its result.
+    Completed,
+    /// A cached error: the next call replays it.
+    Failed,
+}
+
+impl StateKind {
+    /// The state of `record` at `now`.
+    pub fn of(record: &Record, now: Timestamp) -> StateKind {
+        match record.state {
+            State::InProgress { lease_until, .. } if lease_until > now => StateKind::Running,
+            State::InProgress { .. } => StateKind::Abandoned,
+            State::Completed { .. } => StateKind::Completed,
+            State::Failed { .. } => StateKind::Failed,
+        }
+    }
+
+    /// Every state, in the order listings show them.
+    pub const ALL: [StateKind; 4] = [
+        StateKind::Running,
+        StateKind::Abandoned,
+        StateKind::Completed,
+        StateKind::Failed,
+    ];
+
+    /// The state's name: `running`, `abandoned`, `completed`, `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StateKind::Running => "running",
+            StateKind::Abandoned => "abandoned",
+            StateKind::Completed => "completed",
+            StateKind::Failed => "failed",
+        }
+    }
+}
+
+impl std::fmt::Display for StateKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for StateKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        StateKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| {
+                format!("unknown state `{s}`: use running, abandoned, completed or failed")
+            })
+    }
+}
+
+/// Which records to list, count or remove: every condition set must hold.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// Records of this run.
+    pub run_id: Option<String>,
+    /// Records of this tenant.
+    pub tenant: Option<String>,
+    /// Records of this tool.
+    pub tool: Option<String>,
+    /// Records in this state.
+    pub state: Option<StateKind>,
+    /// Records whose key was first claimed before this time.
+    pub claimed_before: Option<Timestamp>,
+}
+
+impl Filter {
+    /// Whether `record` matches, at `now`. A record without an origin (format 1)
+    /// matches no run, tenant or tool condition, except the tool its key names.
+    pub fn matches(&self, key: &Key, record: &Record, now: Timestamp) -> bool {
+        let origin = record.meta.origin.as_ref();
+        let is = |want: &Option<String>, have: Option<&str>| {
+            want.as_deref().is_none_or(|want| have == Some(want))
+        };
+        is(&self.run_id, origin.map(|o| &*o.run_id))
+            && is(&self.tenant, origin.and_then(|o| o.tenant.as_deref()))
+            && is(
+                &self.tool,
+                origin.map_or_else(|| key.label(), |o| Some(&o.tool)),
+            )
+            && self
+                .state
+                .is_none_or(|state| StateKind::of(record, now) == state)
+            && self
+                .claimed_before
+                .is_none_or(|before| record.meta.claimed_at < before)
+    }
+
+    /// Whether no condition is set (every record matches).
+    pub fn is_empty(&self) -> bool {
+        *self == Filter::default()
+    }
+}
+
+/// Where a listing goes on from: opaque, made by the store that listed the page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cursor(pub String);
+
+/// One page of a listing ([`Store::list`]).
+#[derive(Clone, Debug, Default)]
+pub struct Page {
+    /// The records, with their keys.
+    pub records: Vec<Listed>,
+    /// Where the next page starts; `None` after the last page.
+    pub next: Option<Cursor>,
+    /// The store's clock when the page was read: the time to read leases by.
+    pub now: Timestamp,
+}
+
+/// A record in a listing.
+#[derive(Clone, Debug)]
+pub struct Listed {
+    /// Its key.
+    pub key: Key,
+    /// The record.
+    pub record: Record,
+}
+
+/// How many records are in each state ([`Store::count`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// In progress, lease alive.
+    pub running: u64,
+    /// In progress, lease run out.
+    pub abandoned: u64,
+    /// Completed.
+    pub completed: u64,
+    /// Cached errors.
+    pub failed: u64,
+}
+
+impl Counts {
+    /// Counts one more record in `state`.
+    pub fn add(&mut self, state: StateKind) {
+        *self.get_mut(state) += 1;
+    }
+
+    /// The count of `state`.
+    pub fn get(&self, state: StateKind) -> u64 {
+        match state {
+            StateKind::Running => self.running,
+            StateKind::Abandoned => self.abandoned,
+            StateKind::Completed => self.completed,
+            StateKind::Failed => self.failed,
+        }
+    }
+
+    fn get_mut(&mut self, state: StateKind) -> &mut u64 {
+        match state {
+            StateKind::Running => &mut self.running,
+            StateKind::Abandoned => &mut self.abandoned,
+            StateKind::Completed => &mut self.completed,
+            StateKind::Failed => &mut self.failed,
+        }
+    }
+
+    /// All records.
+    pub fn total(&self) -> u64 {
+        self.running + self.abandoned + self.completed + self.failed
+    }
+}
+
+/// How many records a page of the default walks holds.
+const WALK_PAGE: usize = 1_000;
+
+/// A page of `limit` records from a sorted stream of keyed records, starting after the
+/// key in `after`: the listing of a store whose keys are in order (the cursor is the
+/// last key listed). `records` yields every live record in key order, from `after`.
+pub(crate) fn page_by_key(
+    records: impl Iterator<Item = Result<Listed, Error>>,
+    filter: &Filter,
+    limit: usize,
+    now: Timestamp,
+) -> Result<Page, Error> {
+    let limit = limit.max(1);
+    let mut page = Page {
+        now,
+        ..Page::default()
+    };
+    for listed in records {
+        let listed = listed?;
+        if page.records.len() == limit {
+            page.next = page
+                .records
+                .last()
+                .map(|l| Cursor(l.key.as_str().to_owned()));
+            break;
+        }
+        if filter.matches(&listed.key, &listed.record, now) {
+            page.records.push(listed);
+        }
+    }
+    Ok(page)
 }
 
 pub(crate) mod local_cache;
@@ -430,11 +803,13 @@ mod tests {
                         created_at: Timestamp(0),
                         expires_at,
                         state: state.clone(),
+                        meta: Meta::default(),
                     };
                     for (take_over_expired, retry_failed) in
                         [(false, false), (false, true), (true, false), (true, true)]
                     {
                         let request = ClaimRequest {
+                            origin: Origin::new("run", "tool"),
                             fingerprint: Fingerprint::from_bytes([1; 32]),
                             token: Token(2),
                             lease: Duration::from_secs(1),

@@ -26,7 +26,8 @@ use std::time::Duration;
 
 use crate::protocol::{execute, execute_finishing, Call, ReleaseErrors};
 use crate::store::{
-    Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Record, State, Store, Timestamp, Token,
+    Claim, ClaimRequest, Counts, Fenced, Filter, Fingerprint, Origin, Outcome, Record, Resolution,
+    State, StateKind, Store, Timestamp, Token,
 };
 use crate::{Error, Key, Options, Run};
 
@@ -54,6 +55,10 @@ pub async fn run_all(store: Arc<dyn Store>) {
     renewal_is_fenced(&*store).await;
     zero_lease_renewal_gives_the_claim_up(&*store).await;
     a_claim_lives_by_its_lease_and_a_result_by_its_ttl(&*store).await;
+    records_keep_their_origin_and_history(&*store).await;
+    listings_filter_and_page(&*store).await;
+    delete_matching_removes_only_matching_records(&*store).await;
+    resolve_settles_only_abandoned_claims(&*store).await;
     concurrent_claims_have_one_winner(store.clone()).await;
     concurrent_takeovers_have_one_winner(store.clone()).await;
     concurrent_calls_execute_once(store.clone()).await;
@@ -73,6 +78,7 @@ fn fp(n: u8) -> Fingerprint {
 
 fn request(fingerprint: Fingerprint, lease: Duration, ttl: Duration) -> ClaimRequest {
     ClaimRequest {
+        origin: Origin::new("conformance", "conformance"),
         fingerprint,
         token: Token::generate().expect("conformance: token"),
         lease,
@@ -761,6 +767,389 @@ pub async fn a_claim_lives_by_its_lease_and_a_result_by_its_ttl(store: &dyn Stor
         name,
         record.is_none(),
         "a result past its TTL from completion reads as {record:?}"
+    );
+}
+
+/// A request under `origin`.
+fn request_of(origin: &Origin, fingerprint: Fingerprint, lease: Duration) -> ClaimRequest {
+    ClaimRequest {
+        origin: origin.clone(),
+        ..request(fingerprint, lease, LONG)
+    }
+}
+
+/// An origin of its own: a unique run, with a tenant and a call id.
+fn unique_origin(check: &str, tool: &str) -> Origin {
+    Origin {
+        tenant: Some("tenant-é".into()),
+        run_id: unique_key(check).to_string().into(),
+        call_id: Some("call_1".into()),
+        tool: tool.into(),
+    }
+}
+
+/// Whether `t` is within a minute of this process's clock (a store may keep the
+/// metadata's times by a server's clock).
+fn about_now(t: Timestamp) -> bool {
+    let now = Timestamp::now().as_millis();
+    t.as_millis().abs_diff(now) < 60_000
+}
+
+/// A record keeps who claimed it (run, tenant, call id, tool) and its history: when it
+/// was first claimed, last renewed and completed, and how many attempts and takeovers
+/// it took. A takeover and a retry of a cached error go on with the history.
+pub async fn records_keep_their_origin_and_history(store: &dyn Store) {
+    let name = "records_keep_their_origin_and_history";
+    let key = unique_key(name);
+    let origin = unique_origin(name, "send_email");
+    let first = request_of(&origin, fp(30), SHORT);
+    ok(name, store.claim(&key, &first).await).await;
+    let record = ok(name, store.get(&key).await).await;
+    let meta = record.as_ref().map(|r| r.meta.clone()).unwrap_or_default();
+    check!(
+        name,
+        meta.origin.as_ref() == Some(&origin)
+            && about_now(meta.claimed_at)
+            && meta.completed_at.is_none()
+            && meta.renewed_at.is_none()
+            && (meta.attempts, meta.takeovers) == (1, 0),
+        "a fresh claim reads as {record:?}"
+    );
+    let claimed_at = meta.claimed_at;
+    tokio::time::sleep(PAST_SHORT).await;
+    let second = request_of(&origin, fp(30), LONG);
+    let claim = ok(name, store.claim(&key, &second).await).await;
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: true },
+        "takeover returned {claim:?}"
+    );
+    ok(name, store.renew(&key, second.token, LONG, LONG).await).await;
+    let record = ok(name, store.get(&key).await).await;
+    let meta = record.as_ref().map(|r| r.meta.clone()).unwrap_or_default();
+    check!(
+        name,
+        meta.origin.as_ref() == Some(&origin)
+            && meta.claimed_at == claimed_at
+            && meta.renewed_at.is_some_and(about_now)
+            && (meta.attempts, meta.takeovers) == (2, 1),
+        "a claim taken over, then renewed, reads as {record:?}"
+    );
+    let done = store.complete(&key, second.token, Outcome::Failed(b"\"declined\""), LONG);
+    ok(name, done.await).await;
+    let record = ok(name, store.get(&key).await).await;
+    let meta = record.as_ref().map(|r| r.meta.clone()).unwrap_or_default();
+    check!(
+        name,
+        meta.origin.as_ref() == Some(&origin)
+            && meta.claimed_at == claimed_at
+            && meta.completed_at.is_some_and(about_now)
+            && meta.renewed_at.is_some()
+            && (meta.attempts, meta.takeovers) == (2, 1),
+        "a completed claim reads as {record:?}"
+    );
+    let third = request_of(&origin, fp(30), LONG);
+    let claim = ok(name, store.claim(&key, &third).await).await;
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: false },
+        "retry returned {claim:?}"
+    );
+    let record = ok(name, store.get(&key).await).await;
+    let meta = record.as_ref().map(|r| r.meta.clone()).unwrap_or_default();
+    check!(
+        name,
+        meta.claimed_at == claimed_at
+            && meta.completed_at.is_none()
+            && (meta.attempts, meta.takeovers) == (3, 1),
+        "a retried error reads as {record:?}"
+    );
+}
+
+/// Every key listed under `filter`, walking pages of `limit`; fails on a key listed
+/// twice or a record that does not match.
+async fn listed(name: &str, store: &dyn Store, filter: &Filter, limit: usize) -> Vec<Key> {
+    let (mut keys, mut after, mut pages) = (Vec::new(), None, 0);
+    loop {
+        let page = ok(name, store.list(filter, after.as_ref(), limit).await).await;
+        pages += 1;
+        check!(name, pages < 100_000, "the listing never ends");
+        for listed in page.records {
+            check!(
+                name,
+                filter.matches(&listed.key, &listed.record, page.now),
+                "listed {listed:?}, which does not match {filter:?}"
+            );
+            check!(
+                name,
+                !keys.contains(&listed.key),
+                "{} listed twice",
+                listed.key
+            );
+            keys.push(listed.key);
+        }
+        match page.next {
+            Some(next) => after = Some(next),
+            None => return keys,
+        }
+    }
+}
+
+/// A run's records in each state: 6 completed, 3 running, 2 abandoned, 2 failed (and
+/// 3 of another tool, completed); returns their keys by state.
+async fn fill_run(name: &str, store: &dyn Store, origin: &Origin) -> Vec<(StateKind, Key)> {
+    let mut made = Vec::new();
+    let plan = [
+        (StateKind::Completed, 6),
+        (StateKind::Running, 3),
+        (StateKind::Abandoned, 2),
+        (StateKind::Failed, 2),
+    ];
+    for (kind, n) in plan {
+        for _ in 0..n {
+            let key = unique_key(name);
+            let lease = if kind == StateKind::Abandoned {
+                SHORT
+            } else {
+                LONG
+            };
+            let req = request_of(origin, fp(31), lease);
+            ok(name, store.claim(&key, &req).await).await;
+            let outcome = match kind {
+                StateKind::Completed => Some(Outcome::Completed(b"{\"id\":\"m-1\"}")),
+                StateKind::Failed => Some(Outcome::Failed(b"\"declined\"")),
+                _ => None,
+            };
+            if let Some(outcome) = outcome {
+                ok(name, store.complete(&key, req.token, outcome, LONG).await).await;
+            }
+            made.push((kind, key));
+        }
+    }
+    let other_tool = Origin {
+        tool: "charge_card".into(),
+        ..origin.clone()
+    };
+    for _ in 0..3 {
+        let key = unique_key(name);
+        let req = request_of(&other_tool, fp(31), LONG);
+        ok(name, store.claim(&key, &req).await).await;
+        let done = store.complete(&key, req.token, Outcome::Completed(b"1"), LONG);
+        ok(name, done.await).await;
+        made.push((StateKind::Completed, key));
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    made
+}
+
+/// Listings walk every matching record once, page by page, whatever the page size;
+/// each filter (run, tenant, tool, state, age) keeps exactly its records; counts agree.
+pub async fn listings_filter_and_page(store: &dyn Store) {
+    let name = "listings_filter_and_page";
+    let origin = unique_origin(name, "send_email");
+    let made = fill_run(name, store, &origin).await;
+    let run = Filter {
+        run_id: Some(origin.run_id.to_string()),
+        ..Filter::default()
+    };
+    let mut all: Vec<Key> = made.iter().map(|(_, k)| k.clone()).collect();
+    all.sort();
+    for limit in [1, 4, 1000] {
+        let mut keys = listed(name, store, &run, limit).await;
+        keys.sort();
+        check!(
+            name,
+            keys == all,
+            "pages of {limit} listed {} of {} records",
+            keys.len(),
+            all.len()
+        );
+    }
+    for kind in StateKind::ALL {
+        let filter = Filter {
+            state: Some(kind),
+            ..run.clone()
+        };
+        let mut keys = listed(name, store, &filter, 5).await;
+        keys.sort();
+        let mut want: Vec<Key> = made
+            .iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, k)| k.clone())
+            .collect();
+        want.sort();
+        check!(
+            name,
+            keys == want,
+            "state {kind} listed {keys:?}, made {want:?}"
+        );
+    }
+    let tool = Filter {
+        tool: Some("charge_card".into()),
+        ..run.clone()
+    };
+    check!(
+        name,
+        listed(name, store, &tool, 2).await.len() == 3,
+        "the tool filter"
+    );
+    let other_tenant = Filter {
+        tenant: Some("someone else".into()),
+        ..run.clone()
+    };
+    check!(
+        name,
+        listed(name, store, &other_tenant, 10).await.is_empty(),
+        "the tenant filter"
+    );
+    let tenant = Filter {
+        tenant: origin.tenant.as_deref().map(str::to_owned),
+        ..run.clone()
+    };
+    check!(
+        name,
+        listed(name, store, &tenant, 10).await.len() == all.len(),
+        "the tenant filter"
+    );
+    let old = Filter {
+        claimed_before: Some(Timestamp::from_millis(
+            Timestamp::now().as_millis() - 3_600_000,
+        )),
+        ..run.clone()
+    };
+    check!(
+        name,
+        listed(name, store, &old, 10).await.is_empty(),
+        "the age filter kept new records"
+    );
+    let young = Filter {
+        claimed_before: Some(Timestamp::now().after(Duration::from_secs(3600))),
+        ..run.clone()
+    };
+    check!(
+        name,
+        listed(name, store, &young, 10).await.len() == all.len(),
+        "the age filter"
+    );
+    let counts = ok(name, store.count(&run).await).await;
+    let want = Counts {
+        running: 3,
+        abandoned: 2,
+        completed: 9,
+        failed: 2,
+    };
+    check!(name, counts == want, "counted {counts:?}");
+}
+
+/// Removing a run's records removes those and nothing else.
+pub async fn delete_matching_removes_only_matching_records(store: &dyn Store) {
+    let name = "delete_matching_removes_only_matching_records";
+    let origin = unique_origin(name, "send_email");
+    let bystander = unique_origin(name, "send_email");
+    let made = fill_run(name, store, &origin).await;
+    let kept = fill_run(name, store, &bystander).await;
+    let run = |o: &Origin| Filter {
+        run_id: Some(o.run_id.to_string()),
+        ..Filter::default()
+    };
+    let removed = ok(name, store.delete_matching(&run(&origin)).await).await;
+    check!(
+        name,
+        removed == made.len() as u64,
+        "removed {removed} of {} records",
+        made.len()
+    );
+    for (_, key) in &made {
+        let record = ok(name, store.get(key).await).await;
+        check!(name, record.is_none(), "{key} is still there: {record:?}");
+    }
+    let left = ok(name, store.count(&run(&bystander)).await).await;
+    check!(
+        name,
+        left.total() == kept.len() as u64,
+        "another run kept {left:?}"
+    );
+}
+
+/// An abandoned claim is resolved as completed (the next call replays the result) or
+/// released (the next call runs); a running claim, another token or a completed record
+/// are left as they are.
+pub async fn resolve_settles_only_abandoned_claims(store: &dyn Store) {
+    let name = "resolve_settles_only_abandoned_claims";
+    let origin = unique_origin(name, "charge_card");
+    let (done, gone) = (unique_key(name), unique_key(name));
+    let (a, b) = (
+        request_of(&origin, fp(32), SHORT),
+        request_of(&origin, fp(33), SHORT),
+    );
+    ok(name, store.claim(&done, &a).await).await;
+    ok(name, store.claim(&gone, &b).await).await;
+    let completed = Resolution::Completed {
+        result: b"{\"charge\":\"ch_1\"}",
+        ttl: LONG,
+    };
+    let early = ok(name, store.resolve(&done, a.token, completed).await).await;
+    check!(
+        name,
+        early == Fenced::LostLease,
+        "a running claim was resolved: {early:?}"
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+    let wrong = ok(name, store.resolve(&done, b.token, completed).await).await;
+    check!(
+        name,
+        wrong == Fenced::LostLease,
+        "another token resolved a claim: {wrong:?}"
+    );
+    let applied = ok(name, store.resolve(&done, a.token, completed).await).await;
+    check!(
+        name,
+        applied == Fenced::Applied,
+        "resolving as completed returned {applied:?}"
+    );
+    let record = ok(name, store.get(&done).await).await;
+    check!(
+        name,
+        matches!(&record, Some(Record { state: State::Completed { result }, meta, .. })
+            if result == b"{\"charge\":\"ch_1\"}" && meta.origin.as_ref() == Some(&origin)
+                && meta.completed_at.is_some()),
+        "a claim resolved as completed reads as {record:?}"
+    );
+    let mut at_most_once = request_of(&origin, fp(32), LONG);
+    at_most_once.take_over_expired = false;
+    let claim = ok(name, store.claim(&done, &at_most_once).await).await;
+    check!(
+        name,
+        claim == Claim::Completed(b"{\"charge\":\"ch_1\"}".to_vec()),
+        "the next call after resolving got {claim:?}"
+    );
+    let again = ok(
+        name,
+        store.resolve(&done, a.token, Resolution::Released).await,
+    )
+    .await;
+    check!(
+        name,
+        again == Fenced::LostLease,
+        "a completed record was resolved: {again:?}"
+    );
+    let released = ok(
+        name,
+        store.resolve(&gone, b.token, Resolution::Released).await,
+    )
+    .await;
+    check!(
+        name,
+        released == Fenced::Applied,
+        "releasing returned {released:?}"
+    );
+    let mut at_most_once = request_of(&origin, fp(33), LONG);
+    at_most_once.take_over_expired = false;
+    let claim = ok(name, store.claim(&gone, &at_most_once).await).await;
+    check!(
+        name,
+        claim == Claim::Acquired { took_over: false },
+        "the next call after releasing got {claim:?}"
     );
 }
 

@@ -169,6 +169,7 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
     let (store, mut conn) = redis_store_and_connection(&url, "idem-foreign").await;
     let prefix = store.prefix().to_owned();
     let request = ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "tool"),
         fingerprint: Fingerprint::from_bytes([1; 32]),
         token: Token::generate().unwrap(),
         lease: Duration::from_secs(60),
@@ -184,6 +185,7 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
             token: Token::generate().unwrap(),
             lease_until: Timestamp::from_millis(1_000),
         },
+        meta: Default::default(),
     }
     .encode();
     // A completed record that says it expired as it was stored: replaying it, or
@@ -195,6 +197,7 @@ async fn redis_values_that_are_not_records_are_corrupt_and_kept() {
         state: State::Completed {
             result: b"1".to_vec(),
         },
+        meta: Default::default(),
     }
     .encode();
     let cases: [(&str, &[&[u8]], &str); 4] = [
@@ -259,6 +262,7 @@ async fn redis_record_times_are_the_server_clock() {
     let server_now = |(secs, micros): (u64, u64)| secs * 1000 + micros / 1000;
     let key = Key::from_text("times");
     let request = ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "tool"),
         fingerprint: Fingerprint::from_bytes([2; 32]),
         token: Token::generate().unwrap(),
         lease: Duration::from_secs(30),

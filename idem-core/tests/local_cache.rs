@@ -214,6 +214,7 @@ async fn a_stale_owner_leaves_nothing_in_the_cache() {
     let (behind, cache) = cached(MINUTE);
     let key = Key::from_text("stale");
     let request = |token| ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "stale"),
         fingerprint: Fingerprint::from_bytes([1; 32]),
         token,
         lease: Duration::from_millis(100),

@@ -235,6 +235,7 @@ async fn unserializable_input_is_a_typed_error_and_nothing_runs() {
 async fn claim_elsewhere(store: &dyn Store, call: &Call, lease: Duration) -> Token {
     let token = Token::generate().unwrap();
     let request = ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "tool"),
         fingerprint: *call.fingerprint(),
         token,
         lease,

@@ -9,7 +9,9 @@ use async_trait::async_trait;
 
 use crate::key::Fingerprint;
 use crate::record::{Record, Token};
-use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::store::{
+    Claim, ClaimRequest, Counts, Cursor, Fenced, Filter, Outcome, Page, Resolution, Store,
+};
 use crate::{Error, Key};
 
 /// How long a result is kept by default.
@@ -162,6 +164,18 @@ impl Entries {
         let entry = self.map.remove(key)?;
         self.bytes -= Self::size(key, &entry.held);
         Some(entry.held)
+    }
+
+    /// Drops every result this process keeps (claims stay: their owners complete them).
+    fn drop_results(&mut self) {
+        let bytes = &mut self.bytes;
+        self.map.retain(|key, entry| {
+            let result = matches!(entry.held, Held::Completed { .. });
+            if result {
+                *bytes -= Self::size(key, &entry.held);
+            }
+            !result
+        });
     }
 
     /// Drops the results no longer fresh at `now` (their queue slots go when they come
@@ -324,6 +338,35 @@ impl<S: Store> Store for LocalCache<S> {
     async fn purge_expired(&self) -> Result<u64, Error> {
         self.lock().drop_stale(Instant::now());
         self.inner.purge_expired().await
+    }
+
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        self.inner.list(filter, after, limit).await
+    }
+
+    async fn count(&self, filter: &Filter) -> Result<Counts, Error> {
+        self.inner.count(filter).await
+    }
+
+    /// Also drops every result this process keeps: which of them matched is not known.
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        let deleted = self.inner.delete_matching(filter).await;
+        self.lock().drop_results();
+        deleted
+    }
+
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        self.inner.resolve(key, token, resolution).await
     }
 
     fn max_result_bytes(&self) -> usize {

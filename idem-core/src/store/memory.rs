@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use crate::key::Fingerprint;
 use crate::record::{Record, State, Timestamp, Token};
 use crate::store::{
-    decide_claim, decide_fenced, is_replayable, Claim, ClaimRequest, Fenced, Outcome, OwnerWrite,
-    Store,
+    decide_claim, decide_fenced, decide_resolution, is_replayable, page_by_key, Claim,
+    ClaimRequest, Cursor, Fenced, Filter, Listed, Outcome, OwnerWrite, Page, Resolution, Store,
 };
 use crate::{blocking, sync, Error, Key};
 
@@ -175,6 +175,60 @@ impl Store for MemoryStore {
         }
     }
 
+    /// Pages in key order: each page walks the maps for the live records past the
+    /// cursor that match, and sorts them (the store is for one process's records, not
+    /// for millions).
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        let now = Timestamp::now();
+        let after = after.map(|c| c.0.as_str());
+        let mut found = Vec::new();
+        for shard in self.shards.iter() {
+            found.extend(
+                sync::read(shard)
+                    .iter()
+                    .filter(|(key, record)| {
+                        after.is_none_or(|after| key.as_str() > after)
+                            && !record.is_expired(now)
+                            && filter.matches(key, record, now)
+                    })
+                    .map(|(key, record)| (key.clone(), Arc::clone(record))),
+            );
+        }
+        found.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        let records = found.into_iter().map(|(key, record)| {
+            Ok(Listed {
+                key,
+                record: Record::clone(&record),
+            })
+        });
+        page_by_key(records, filter, limit, now)
+    }
+
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        let mut map = sync::write(self.shard(key));
+        let now = Timestamp::now();
+        match decide_resolution(map.get(key).map(|r| &**r), token, resolution, now) {
+            Ok(Some(record)) => {
+                map.insert(key.clone(), Arc::new(record));
+            }
+            Ok(None) => {
+                map.remove(key);
+            }
+            Err(lost) => return Ok(lost),
+        }
+        Ok(Fenced::Applied)
+    }
+
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         let now = Timestamp::now();
         Ok(sync::read(self.shard(key))
@@ -288,6 +342,7 @@ mod tests {
                 state: State::Completed {
                     result: b"\"sent\"".to_vec(),
                 },
+                meta: crate::record::Meta::default(),
             });
             expired.get_or_insert_with(|| Arc::downgrade(&record));
             let key = derived(i);

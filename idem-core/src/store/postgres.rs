@@ -9,9 +9,12 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
 use crate::key::Fingerprint;
-use crate::record::{Record, State, Timestamp, Token};
+use crate::record::{Meta, Origin, Record, State, Timestamp, Token};
 use crate::store::net::{self, fenced, in_local_clock};
-use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::store::{
+    decide_claim, Claim, ClaimRequest, Counts, Cursor, Fenced, Filter, Listed, Outcome, Page,
+    Resolution, StateKind, Store,
+};
 use crate::{Error, Key};
 
 const STORE: &str = "postgres";
@@ -227,11 +230,40 @@ fn quote_table(name: &str) -> Result<String, Error> {
         .join("."))
 }
 
+/// The columns format 2 added to the table (one per line: `migrate` adds each to a
+/// table of idem 0.1).
+const COLUMNS_V2: &str = "run_id       text,
+tenant       text,
+call_id      text,
+tool         text,
+claimed_at   timestamptz,
+completed_at timestamptz,
+renewed_at   timestamptz,
+attempts     integer     NOT NULL DEFAULT 0,
+takeovers    integer     NOT NULL DEFAULT 0,
+result       jsonb";
+
+/// The indexes of the operators' listings: by run, by tool (each in key order, as
+/// pages are read), and the claims in progress by lease (stuck calls).
+const INDEXES: [(&str, &str); 3] = [
+    ("run", "(run_id, key)"),
+    ("tool", "(tool, key)"),
+    ("in_progress", "(lease_until) WHERE state = 0"),
+];
+
+/// The comment `migrate` puts on `result` once every row of idem 0.1 has it filled.
+const FILLED: &str = "idem: result filled from payload";
+
+/// The bound on each step of a migration: building an index on a large table takes
+/// longer than an operation's timeout.
+const MIGRATE_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// The most rows one statement of a purge deletes: about 0.1 s of work.
 const PURGE_BATCH: i64 = 10_000;
 
 /// The statements, with the table name filled in.
 struct Sql {
+    table: String,
     read: String,
     claim_fresh: String,
     claim: String,
@@ -240,6 +272,8 @@ struct Sql {
     release: String,
     delete: String,
     purge: String,
+    resolve_completed: String,
+    resolve_released: String,
 }
 
 /// Milliseconds since the Unix epoch of a `timestamptz` expression.
@@ -250,19 +284,15 @@ fn ms(expr: &str) -> String {
 impl Sql {
     fn new(t: &str) -> Self {
         // The row under `$1` (all NULL if there is none) and the database time.
-        let read = format!(
-            "SELECT r.fingerprint, r.state, r.token, {lease}, r.payload, {created}, {expires}, {now}",
-            lease = ms("r.lease_until"),
-            created = ms("r.created_at"),
-            expires = ms("r.expires_at"),
-            now = ms("now()"),
-        );
+        let read = format!("SELECT {COLUMNS}, {now}", now = ms("now()"));
         let from = format!("FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1");
         // A claim of `$1`: fingerprint, token, lease ms, ttl ms.
+        // The claim's origin: $6 run id, $7 tenant, $8 call id, $9 tool.
         let insert = format!(
-            "INSERT INTO {t} AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at) \
+            "INSERT INTO {t} AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at, \
+                 run_id, tenant, call_id, tool, claimed_at, attempts, takeovers) \
              VALUES ($1, $2, 0, $3, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
-                     now() + $5::int8 * interval '1 millisecond')"
+                     now() + $5::int8 * interval '1 millisecond', $6, $7, $8, $9, now(), 1, 0)"
         );
         Sql {
             read: format!("{read} {from}"),
@@ -270,26 +300,46 @@ impl Sql {
                 "WITH fresh AS ({insert} ON CONFLICT (key) DO NOTHING RETURNING 1) \
                  {read}, (SELECT count(*) FROM fresh) {from}"
             ),
+            // An expired row starts a new history; a takeover or a retry goes on with
+            // the row's (a row of idem 0.1 has none: its times say when it was written).
             claim: format!(
                 "{insert} \
                  ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 0, \
                      token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, payload = NULL, \
-                     created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at \
+                     result = NULL, created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at, \
+                     run_id = EXCLUDED.run_id, tenant = EXCLUDED.tenant, call_id = EXCLUDED.call_id, \
+                     tool = EXCLUDED.tool, completed_at = NULL, renewed_at = NULL, \
+                     claimed_at = CASE WHEN r.expires_at <= now() THEN now() \
+                         ELSE coalesce(r.claimed_at, r.created_at) END, \
+                     attempts = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempts + 1 END, \
+                     takeovers = CASE WHEN r.expires_at <= now() THEN 0 \
+                         WHEN r.state = 0 THEN r.takeovers + 1 ELSE r.takeovers END \
                  WHERE r.expires_at <= now() \
                     OR (r.fingerprint = EXCLUDED.fingerprint AND ( \
-                           (r.state = 0 AND r.lease_until <= now() AND $6) \
-                        OR (r.state = 2 AND $7))) \
+                           (r.state = 0 AND r.lease_until <= now() AND $10) \
+                        OR (r.state = 2 AND $11))) \
                  RETURNING 1"
             ),
+            // $6: the result as JSON text for `result`, or NULL (see `as_jsonb`).
             complete: format!(
-                "UPDATE {t} SET state = $3, payload = $4, lease_until = NULL, created_at = now(), \
+                "UPDATE {t} SET state = $3, payload = $4, result = $6::text::jsonb, lease_until = NULL, \
+                 created_at = now(), completed_at = now(), \
                  expires_at = now() + $5::int8 * interval '1 millisecond' \
                  WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
             ),
             renew: format!(
                 "UPDATE {t} SET lease_until = now() + $3::int8 * interval '1 millisecond', \
-                 expires_at = now() + $4::int8 * interval '1 millisecond' \
+                 expires_at = now() + $4::int8 * interval '1 millisecond', renewed_at = now() \
                  WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
+            ),
+            resolve_completed: format!(
+                "UPDATE {t} SET state = 1, payload = $3, result = $5::text::jsonb, lease_until = NULL, \
+                 created_at = now(), completed_at = now(), \
+                 expires_at = now() + $4::int8 * interval '1 millisecond' \
+                 WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
+            ),
+            resolve_released: format!(
+                "DELETE FROM {t} WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
             ),
             release: format!(
                 "DELETE FROM {t} WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
@@ -306,8 +356,149 @@ impl Sql {
                      coalesce(floor(extract(epoch from max(expires_at)) * 1000)::int8, 0) \
                  FROM gone"
             ),
+            table: t.to_owned(),
         }
     }
+
+    /// A listing's statement: the rows matching `filter` past the key `$1` (or from
+    /// the first, when NULL), in key order, at most `$2`.
+    fn list(&self, filter: &Filter) -> (String, Params) {
+        let mut params = Params::default();
+        params.push(None::<String>);
+        params.push(0i64);
+        let conditions = conditions(filter, &mut params);
+        let sql = format!(
+            "SELECT r.key, {COLUMNS}, {now} FROM {t} AS r \
+             WHERE r.expires_at > now() AND ($1::text IS NULL OR r.key > $1) {conditions} \
+             ORDER BY r.key LIMIT $2",
+            now = ms("now()"),
+            t = self.table,
+        );
+        (sql, params)
+    }
+
+    /// The counts by state of the rows matching `filter`.
+    fn count(&self, filter: &Filter) -> (String, Params) {
+        let mut params = Params::default();
+        let conditions = conditions(filter, &mut params);
+        let count = |kind| format!("count(*) FILTER (WHERE {})", state_condition(kind));
+        let sql = format!(
+            "SELECT {}, {}, {}, {} FROM {t} AS r WHERE r.expires_at > now() {conditions}",
+            count(StateKind::Running),
+            count(StateKind::Abandoned),
+            count(StateKind::Completed),
+            count(StateKind::Failed),
+            t = self.table,
+        );
+        (sql, params)
+    }
+
+    /// One batch of deleting the rows matching `filter`: at most `$1` of them.
+    fn delete_matching(&self, filter: &Filter) -> (String, Params) {
+        let mut params = Params::default();
+        params.push(PURGE_BATCH);
+        let conditions = conditions(filter, &mut params);
+        let t = &self.table;
+        let sql = format!(
+            "WITH gone AS (DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT r.ctid FROM {t} AS r WHERE r.expires_at > now() {conditions} LIMIT $1)) \
+             RETURNING 1) SELECT count(*) FROM gone"
+        );
+        (sql, params)
+    }
+}
+
+/// The columns of a record, as `decode_row` reads them (a row of table `r`).
+const COLUMNS: &str = "r.fingerprint, r.state, r.token, \
+    (extract(epoch from r.lease_until) * 1000)::int8, r.payload, \
+    (extract(epoch from r.created_at) * 1000)::int8, \
+    (extract(epoch from r.expires_at) * 1000)::int8, \
+    r.run_id, r.tenant, r.call_id, r.tool, \
+    (extract(epoch from coalesce(r.claimed_at, r.created_at)) * 1000)::int8, \
+    (extract(epoch from r.completed_at) * 1000)::int8, \
+    (extract(epoch from r.renewed_at) * 1000)::int8, r.attempts, r.takeovers";
+/// How many columns `COLUMNS` has: the database time follows them.
+const COLUMN_COUNT: usize = 16;
+
+/// An in-progress row whose lease has run out.
+const ABANDONED: &str = "state = 0 AND lease_until <= now()";
+
+/// A statement's parameters, numbered in the order pushed.
+#[derive(Default)]
+struct Params(Vec<Box<dyn tokio_postgres::types::ToSql + Sync + Send>>);
+
+impl Params {
+    /// Adds a parameter; returns its placeholder (`$n`).
+    fn push(&mut self, value: impl tokio_postgres::types::ToSql + Sync + Send + 'static) -> String {
+        self.0.push(Box::new(value));
+        format!("${}", self.0.len())
+    }
+
+    fn as_refs(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        self.0.iter().map(|p| &**p as _).collect()
+    }
+}
+
+/// The SQL condition of a state, on table `r`.
+fn state_condition(kind: StateKind) -> &'static str {
+    match kind {
+        StateKind::Running => "r.state = 0 AND r.lease_until > now()",
+        StateKind::Abandoned => "r.state = 0 AND r.lease_until <= now()",
+        StateKind::Completed => "r.state = 1",
+        StateKind::Failed => "r.state = 2",
+    }
+}
+
+/// `filter` as ` AND ...` conditions on table `r`, with only the conditions it sets (so
+/// each shape of filter is its own statement, and its index serves it).
+fn conditions(filter: &Filter, params: &mut Params) -> String {
+    let mut sql = String::new();
+    if let Some(run) = &filter.run_id {
+        sql += &format!(" AND r.run_id = {}", params.push(run.clone()));
+    }
+    if let Some(tenant) = &filter.tenant {
+        sql += &format!(" AND r.tenant = {}", params.push(tenant.clone()));
+    }
+    if let Some(tool) = &filter.tool {
+        // A row of idem 0.1 has no tool: its key's label names it.
+        let label = format!("{}.%", label_of(tool).replace('_', "\\_"));
+        sql += &format!(
+            " AND (r.tool = {} OR (r.tool IS NULL AND r.key LIKE {}))",
+            params.push(tool.clone()),
+            params.push(label)
+        );
+    }
+    if let Some(state) = filter.state {
+        sql += &format!(" AND {}", state_condition(state));
+    }
+    if let Some(before) = filter.claimed_before {
+        let before = i64::try_from(before.as_millis()).unwrap_or(i64::MAX);
+        sql += &format!(
+            " AND coalesce(r.claimed_at, r.created_at) < to_timestamp({}::int8 / 1000.0)",
+            params.push(before)
+        );
+    }
+    sql
+}
+
+/// The label keys of `tool` carry.
+fn label_of(tool: &str) -> String {
+    let key = Key::of(tool, &Fingerprint::from_bytes([0; 32]));
+    key.label().unwrap_or_default().to_owned()
+}
+
+/// The JSON text of a result for the `result jsonb` column, or `None` when `jsonb`
+/// would refuse it: not UTF-8, or holding an escape `jsonb` cannot store (`\u0000`,
+/// a surrogate). The exact bytes stay in `payload` either way, and replays read those.
+fn as_jsonb(payload: &[u8]) -> Option<&str> {
+    let text = std::str::from_utf8(payload).ok()?;
+    let refused = text.match_indices("\\u").any(|(at, _)| {
+        let hex = text.get(at + 2..at + 6).unwrap_or("").to_ascii_lowercase();
+        hex == "0000"
+            || (hex.starts_with('d')
+                && matches!(hex.as_bytes().get(1), Some(b'8'..=b'9' | b'a'..=b'f')))
+    });
+    (!refused && serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok()).then_some(text)
 }
 
 /// A Postgres failure with its whole cause: the server's message and SQLSTATE, or the
@@ -360,36 +551,157 @@ impl PostgresStore {
         &self.inner.pool
     }
 
-    /// Creates the table and its index if they are missing (idempotent; safe to run from
-    /// many workers at once).
+    /// Creates the table and its indexes if they are missing, and upgrades a table of
+    /// idem 0.1 (idempotent; safe to run from many workers at once, and while calls
+    /// run). See the type's docs for each step and the locks it takes.
     pub async fn migrate(&self) -> Result<(), Error> {
         let t = &self.inner.table;
-        let index = format!(
-            "\"{}_expires_at\"",
-            t.rsplit('.').next().unwrap_or(t).trim_matches('"')
-        );
-        let sql = format!(
+        let base = t
+            .rsplit('.')
+            .next()
+            .unwrap_or(t)
+            .trim_matches('"')
+            .to_owned();
+        let lock = t.replace('\'', "");
+        let create = format!(
             "BEGIN;
              SELECT pg_advisory_xact_lock(hashtext('idem migrate ' || '{lock}'));
              CREATE TABLE IF NOT EXISTS {t} (
-                 key         text        PRIMARY KEY,
-                 fingerprint bytea       NOT NULL,
-                 state       smallint    NOT NULL,
-                 token       bytea       NOT NULL,
-                 lease_until timestamptz,
-                 payload     bytea,
-                 created_at  timestamptz NOT NULL,
-                 expires_at  timestamptz NOT NULL
+                 key          text        PRIMARY KEY,
+                 fingerprint  bytea       NOT NULL,
+                 state        smallint    NOT NULL,
+                 token        bytea       NOT NULL,
+                 lease_until  timestamptz,
+                 payload      bytea,
+                 created_at   timestamptz NOT NULL,
+                 expires_at   timestamptz NOT NULL,
+                 {COLUMNS_V2}
              );
-             CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at);
-             COMMIT;",
-            lock = t.replace('\'', ""),
+             CREATE INDEX IF NOT EXISTS \"{base}_expires_at\" ON {t} (expires_at);
+             COMMIT;"
         );
-        self.bounded(async {
-            let client = self.inner.pool.get().await.map_err(pg_error)?;
-            client.batch_execute(&sql).await.map_err(pg_error)
-        })
-        .await
+        let client = self.bounded(self.client()).await?;
+        let batch = |sql: String| {
+            let client = &client;
+            async move { client.batch_execute(&sql).await.map_err(pg_error) }
+        };
+        net::bounded(STORE, MIGRATE_TIMEOUT, batch(create)).await?;
+        // A table of idem 0.1 gets the new columns: nullable or with a constant
+        // default, so adding them rewrites nothing. The lock it takes is brief, and is
+        // given up (the migration fails, to be run again) rather than queue every call
+        // behind a long transaction.
+        let has_columns = format!(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute \
+             WHERE attrelid = to_regclass('{t}') AND attname = 'result' AND NOT attisdropped)"
+        );
+        let row = self
+            .bounded(async { client.query_one(&has_columns, &[]).await.map_err(pg_error) })
+            .await?;
+        if !row.try_get::<_, bool>(0).map_err(pg_error)? {
+            let add = COLUMNS_V2
+                .split(",\n")
+                .map(|column| format!("ADD COLUMN IF NOT EXISTS {}", column.trim()))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let alter = format!(
+                "BEGIN;
+                 SET LOCAL lock_timeout = '{lock_ms}ms';
+                 SELECT pg_advisory_xact_lock(hashtext('idem migrate ' || '{lock}'));
+                 ALTER TABLE {t} {add};
+                 COMMIT;",
+                lock_ms = self.inner.timeout.as_millis(),
+            );
+            net::bounded(STORE, MIGRATE_TIMEOUT, batch(alter)).await?;
+            tracing::info!(table = %t, "idem: added the record metadata columns of format 2 to the table");
+        }
+        // The listings' indexes, built without blocking writes. An index a failed build
+        // left invalid is built again.
+        for (suffix, columns) in INDEXES {
+            let name = format!("\"{base}_{suffix}\"");
+            let qualified = match t.rsplit_once('.') {
+                Some((schema, _)) => format!("{schema}.{name}"),
+                None => name.clone(),
+            };
+            let valid = format!(
+                "SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass('{qualified}')"
+            );
+            let row = self
+                .bounded(async { client.query_opt(&valid, &[]).await.map_err(pg_error) })
+                .await?;
+            let valid = row
+                .map(|row| row.try_get::<_, bool>(0))
+                .transpose()
+                .map_err(pg_error)?;
+            if valid == Some(true) {
+                continue;
+            }
+            if valid == Some(false) {
+                net::bounded(
+                    STORE,
+                    MIGRATE_TIMEOUT,
+                    batch(format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}")),
+                )
+                .await?;
+            }
+            let build = format!("CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {t} {columns}");
+            net::bounded(STORE, MIGRATE_TIMEOUT, batch(build)).await?;
+        }
+        self.fill_results(&client).await
+    }
+
+    /// Fills `result` for the completed rows of idem 0.1, in batches of a thousand, each
+    /// one statement; marks the column when done, so that later runs skip the scan.
+    async fn fill_results(&self, client: &deadpool_postgres::Object) -> Result<(), Error> {
+        let t = &self.inner.table;
+        let filled = format!("SELECT coalesce(col_description(to_regclass('{t}'), \
+            (SELECT attnum FROM pg_attribute WHERE attrelid = to_regclass('{t}') AND attname = 'result')::int), '') = '{FILLED}'");
+        let row = self
+            .bounded(async { client.query_one(&filled, &[]).await.map_err(pg_error) })
+            .await?;
+        if row.try_get::<_, bool>(0).map_err(pg_error)? {
+            return Ok(());
+        }
+        let select = format!(
+            "SELECT key, payload FROM {t} WHERE state IN (1, 2) AND result IS NULL AND payload IS NOT NULL \
+             AND key > $1 ORDER BY key LIMIT 1000"
+        );
+        let update = format!(
+            "UPDATE {t} AS r SET result = v.result::jsonb \
+             FROM unnest($1::text[], $2::bytea[], $3::text[]) AS v(key, payload, result) \
+             WHERE r.key = v.key AND r.payload = v.payload AND r.state IN (1, 2) AND r.result IS NULL"
+        );
+        let (mut after, mut filled) = (String::new(), 0u64);
+        loop {
+            let rows = self
+                .bounded(async { client.query(&select, &[&after]).await.map_err(pg_error) })
+                .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.try_get(0).map_err(pg_error)?;
+            let (mut keys, mut payloads, mut results) = (Vec::new(), Vec::new(), Vec::new());
+            for row in &rows {
+                let payload: Vec<u8> = row.try_get(1).map_err(pg_error)?;
+                if let Some(result) = as_jsonb(&payload) {
+                    results.push(result.to_owned());
+                    keys.push(row.try_get::<_, String>(0).map_err(pg_error)?);
+                    payloads.push(payload);
+                }
+            }
+            filled += self
+                .bounded(async {
+                    client
+                        .execute(&update, &[&keys, &payloads, &results])
+                        .await
+                        .map_err(pg_error)
+                })
+                .await?;
+        }
+        let mark = format!("COMMENT ON COLUMN {t}.result IS '{FILLED}'");
+        self.bounded(async { client.batch_execute(&mark).await.map_err(pg_error) })
+            .await?;
+        if filled > 0 {
+            tracing::info!(table = %t, rows = filled, "idem: filled the `result` column of existing records");
+        }
+        Ok(())
     }
 
     /// Runs `f` within the store's timeout.
@@ -446,32 +758,52 @@ impl PostgresStore {
 /// What a row of the `read` query holds: the record (`None` if the key has no row) and
 /// the database time.
 fn decode_read(key: &Key, row: &Row) -> Result<(Option<Record>, Timestamp), Error> {
-    let now = Timestamp(row.try_get::<_, i64>(7).map_err(pg_error)?.max(0) as u64);
-    Ok((decode_row(key, row)?, now))
+    Ok((decode_row(key, row, 0)?, now_of(row, 0)?))
 }
 
-/// The record in a row of the `read` query, or `None` if the key has no row.
-fn decode_row(key: &Key, row: &Row) -> Result<Option<Record>, Error> {
+/// The database time in a row that has the columns from `at` on, then the time.
+fn now_of(row: &Row, at: usize) -> Result<Timestamp, Error> {
+    let now: i64 = row.try_get(at + COLUMN_COUNT).map_err(pg_error)?;
+    Ok(Timestamp(now.max(0) as u64))
+}
+
+/// The record in a row whose columns from `at` on are [`COLUMNS`], or `None` if the key
+/// has no row.
+fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> {
     let corrupt = |reason: String| Error::CorruptRecord {
         key: key.clone(),
         reason,
     };
-    let fingerprint: Option<Vec<u8>> = row.try_get(0).map_err(pg_error)?;
+    let get = |i: usize| at + i;
+    let fingerprint: Option<Vec<u8>> = row.try_get(get(0)).map_err(pg_error)?;
     let Some(fingerprint) = fingerprint else {
         return Ok(None);
     };
     let fingerprint: [u8; 32] = fingerprint
         .try_into()
         .map_err(|_| corrupt("fingerprint is not 32 bytes".into()))?;
-    let state: i16 = row.try_get(1).map_err(pg_error)?;
-    let token: Vec<u8> = row.try_get(2).map_err(pg_error)?;
+    let state: i16 = row.try_get(get(1)).map_err(pg_error)?;
+    let token: Vec<u8> = row.try_get(get(2)).map_err(pg_error)?;
     let token: [u8; 16] = token
         .try_into()
         .map_err(|_| corrupt("token is not 16 bytes".into()))?;
-    let lease: Option<i64> = row.try_get(3).map_err(pg_error)?;
-    let payload: Option<Vec<u8>> = row.try_get(4).map_err(pg_error)?;
-    let created: i64 = row.try_get(5).map_err(pg_error)?;
-    let expires: i64 = row.try_get(6).map_err(pg_error)?;
+    let lease: Option<i64> = row.try_get(get(3)).map_err(pg_error)?;
+    let payload: Option<Vec<u8>> = row.try_get(get(4)).map_err(pg_error)?;
+    let created: i64 = row.try_get(get(5)).map_err(pg_error)?;
+    let expires: i64 = row.try_get(get(6)).map_err(pg_error)?;
+    let text = |i: usize| -> Result<Option<std::sync::Arc<str>>, Error> {
+        let value: Option<String> = row.try_get(get(i)).map_err(pg_error)?;
+        Ok(value.map(Into::into))
+    };
+    let (run_id, tenant, call_id, tool) = (text(7)?, text(8)?, text(9)?, text(10)?);
+    let time = |i: usize| -> Result<Option<Timestamp>, Error> {
+        let ms: Option<i64> = row.try_get(get(i)).map_err(pg_error)?;
+        Ok(ms.map(|ms| Timestamp(ms.max(0) as u64)))
+    };
+    let count = |i: usize| -> Result<u32, Error> {
+        let n: i32 = row.try_get(get(i)).map_err(pg_error)?;
+        Ok(n.max(0) as u32)
+    };
     let at = |ms: i64| Timestamp(ms.max(0) as u64);
     let state = match (state, lease, payload) {
         (0, Some(lease), _) => State::InProgress {
@@ -482,11 +814,28 @@ fn decode_row(key: &Key, row: &Row) -> Result<Option<Record>, Error> {
         (2, _, Some(error)) => State::Failed { error },
         (state, ..) => return Err(corrupt(format!("state {state} with missing fields"))),
     };
+    let origin = match (run_id, tool) {
+        (Some(run_id), Some(tool)) => Some(Origin {
+            tenant,
+            run_id,
+            call_id,
+            tool,
+        }),
+        _ => None,
+    };
     Ok(Some(Record {
         fingerprint: Fingerprint::from_bytes(fingerprint),
         created_at: at(created),
         expires_at: at(expires),
         state,
+        meta: Meta {
+            origin,
+            claimed_at: time(11)?.unwrap_or_default(),
+            completed_at: time(12)?,
+            renewed_at: time(13)?,
+            attempts: count(14)?,
+            takeovers: count(15)?,
+        },
     }))
 }
 
@@ -517,13 +866,18 @@ impl Store for PostgresStore {
                 millis(request.lease),
                 millis(request.lease.saturating_add(request.ttl)),
             );
-            // `claim_fresh` takes the first five, `claim` all seven.
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
+            let origin = &request.origin;
+            // `claim_fresh` takes the first nine, `claim` all eleven.
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 11] = [
                 &key.as_str(),
                 &request.fingerprint.as_bytes().as_slice(),
                 &token.as_slice(),
                 &lease,
                 &ttl,
+                &&*origin.run_id,
+                &origin.tenant.as_deref(),
+                &origin.call_id.as_deref(),
+                &&*origin.tool,
                 &request.take_over_expired,
                 &request.retry_failed,
             ];
@@ -533,10 +887,10 @@ impl Store for PostgresStore {
                     .await
                     .map_err(pg_error)?;
                 let row = client
-                    .query_one(&stmt, &params[..5])
+                    .query_one(&stmt, &params[..9])
                     .await
                     .map_err(pg_error)?;
-                if row.try_get::<_, i64>(8).map_err(pg_error)? == 1 {
+                if row.try_get::<_, i64>(COLUMN_COUNT + 1).map_err(pg_error)? == 1 {
                     return Ok(Claim::Acquired { took_over: false });
                 }
                 let (Some(current), now) = decode_read(key, &row)? else {
@@ -583,6 +937,7 @@ impl Store for PostgresStore {
                     &state,
                     &payload,
                     &millis(ttl),
+                    &as_jsonb(payload),
                 ],
             ))
             .await?;
@@ -616,6 +971,127 @@ impl Store for PostgresStore {
                 ],
             ))
             .await?;
+        Ok(fenced(n))
+    }
+
+    /// One statement per page, in key order from the cursor (the last key listed),
+    /// served by the primary key or the index of the filter's run or tool.
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        let (sql, mut params) = self.inner.sql.list(filter);
+        let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+        params.0[0] = Box::new(after.map(|c| c.0.clone()));
+        params.0[1] = Box::new(limit);
+        let rows = self
+            .bounded(async {
+                let client = self.client().await?;
+                let stmt = client.prepare_cached(&sql).await.map_err(pg_error)?;
+                client
+                    .query(&stmt, &params.as_refs())
+                    .await
+                    .map_err(pg_error)
+            })
+            .await?;
+        let mut page = Page::default();
+        for row in &rows {
+            let key = Key::from_text(row.try_get::<_, String>(0).map_err(pg_error)?);
+            page.now = now_of(row, 1)?;
+            if let Some(record) = decode_row(&key, row, 1)? {
+                page.records.push(Listed { key, record });
+            }
+        }
+        if rows.len() as i64 == limit {
+            page.next = page
+                .records
+                .last()
+                .map(|l| Cursor(l.key.as_str().to_owned()));
+        }
+        if rows.is_empty() {
+            page.now = Timestamp::now();
+        }
+        Ok(page)
+    }
+
+    async fn count(&self, filter: &Filter) -> Result<Counts, Error> {
+        let (sql, params) = self.inner.sql.count(filter);
+        let row = self
+            .bounded(async {
+                let client = self.client().await?;
+                let stmt = client.prepare_cached(&sql).await.map_err(pg_error)?;
+                client
+                    .query_one(&stmt, &params.as_refs())
+                    .await
+                    .map_err(pg_error)
+            })
+            .await?;
+        let n = |i: usize| -> Result<u64, Error> {
+            Ok(row.try_get::<_, i64>(i).map_err(pg_error)?.max(0) as u64)
+        };
+        Ok(Counts {
+            running: n(0)?,
+            abandoned: n(1)?,
+            completed: n(2)?,
+            failed: n(3)?,
+        })
+    }
+
+    /// Deletes in batches of 10,000 rows, each one statement within the store's
+    /// timeout, as a purge does.
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        let (sql, params) = self.inner.sql.delete_matching(filter);
+        let mut removed = 0;
+        loop {
+            let row = self
+                .bounded(async {
+                    let client = self.client().await?;
+                    let stmt = client.prepare_cached(&sql).await.map_err(pg_error)?;
+                    client
+                        .query_one(&stmt, &params.as_refs())
+                        .await
+                        .map_err(pg_error)
+                })
+                .await?;
+            let batch: i64 = row.try_get(0).map_err(pg_error)?;
+            removed += batch.max(0) as u64;
+            if batch < PURGE_BATCH {
+                return Ok(removed);
+            }
+        }
+    }
+
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        let token = token.0.to_be_bytes();
+        let n = match resolution {
+            Resolution::Completed { result, ttl } => {
+                self.bounded(self.modified(
+                    &self.inner.sql.resolve_completed,
+                    &[
+                        &key.as_str(),
+                        &token.as_slice(),
+                        &result,
+                        &millis(ttl),
+                        &as_jsonb(result),
+                    ],
+                ))
+                .await?
+            }
+            Resolution::Released => {
+                self.bounded(self.modified(
+                    &self.inner.sql.resolve_released,
+                    &[&key.as_str(), &token.as_slice()],
+                ))
+                .await?
+            }
+        };
         Ok(fenced(n))
     }
 

@@ -10,11 +10,14 @@ use redis::Script;
 
 use crate::key::Fingerprint;
 use crate::record::{
-    millis, Record, State, Timestamp, Token, FINGERPRINT_AT, IN_PROGRESS_LEN, IN_PROGRESS_TAG,
-    TOKEN_AT,
+    millis, Meta, Record, State, Timestamp, Token, CLAIMED_AT, COMPLETED_AT, FINGERPRINT_AT,
+    HEADER, IN_PROGRESS_TAG, TOKEN_AT,
 };
 use crate::store::net::{self, in_local_clock};
-use crate::store::{decide_claim, Claim, ClaimRequest, Fenced, Outcome, Store};
+use crate::store::{
+    decide_claim, decide_resolution, Claim, ClaimRequest, Cursor, Fenced, Filter, Listed, Outcome,
+    Page, Resolution, Store,
+};
 use crate::{Error, Key};
 
 const STORE: &str = "redis";
@@ -35,11 +38,11 @@ fn as_owner(then: &str) -> Script {
     let tag: String = IN_PROGRESS_TAG.iter().map(|b| format!("\\{b}")).collect();
     Script::new(&format!(
         "local v = redis.call('GET', KEYS[1])
-if not v or #v ~= {len} or string.sub(v, 1, {tag_len}) ~= '{tag}'
+if not v or #v < {len} or string.sub(v, 1, {tag_len}) ~= '{tag}'
   or string.sub(v, {t0}, {t1}) ~= ARGV[1] then return 0 end
 {then}
 return 1",
-        len = IN_PROGRESS_LEN,
+        len = HEADER,
         tag_len = IN_PROGRESS_TAG.len(),
         t0 = TOKEN_AT + 1,
         t1 = TOKEN_AT + 16,
@@ -48,17 +51,50 @@ return 1",
 
 /// KEYS[1] key; ARGV token, the new record's header (`Record::encode` of the outcome
 /// with an empty payload, or of the renewed claim), payload (empty for a renewal), ttl
-/// ms. Writes the header with the claim's fingerprint, then the payload. Returns 1 if
-/// applied.
+/// ms, split. Writes the header with the claim's fingerprint and, from offset `split`
+/// on, the claim's own metadata (its history and origin: [`COMPLETED_AT`] + 8 for a
+/// completion, which keeps the last renewal, [`CLAIMED_AT`] for a renewal), then the
+/// payload. Returns 1 if applied.
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     as_owner(&format!(
         "redis.call('SET', KEYS[1], string.sub(ARGV[2], 1, {f0}) .. string.sub(v, {f1}, {f2})
-  .. string.sub(ARGV[2], {f3}) .. ARGV[3], 'PX', ARGV[4])",
+  .. string.sub(ARGV[2], {f3}, tonumber(ARGV[5])) .. string.sub(v, tonumber(ARGV[5]) + 1)
+  .. ARGV[3], 'PX', ARGV[4])",
         f0 = FINGERPRINT_AT,
         f1 = FINGERPRINT_AT + 1,
         f2 = FINGERPRINT_AT + 32,
         f3 = FINGERPRINT_AT + 33,
     ))
+});
+
+/// KEYS[1] key; ARGV the record read. Deletes the key only if it still holds exactly
+/// that record. Returns 1 if applied.
+static REMOVE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1",
+    )
+});
+
+/// KEYS the keys of a listed page. Returns, for each key, its value if it is a string
+/// (else false) and its time left (`PTTL`), then the server time (`TIME`).
+static FETCH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        "local out = {}
+for _, k in ipairs(KEYS) do
+  if redis.call('TYPE', k)['ok'] == 'string' then
+    out[#out + 1] = redis.call('GET', k)
+  else
+    out[#out + 1] = false
+  end
+  out[#out + 1] = redis.call('PTTL', k)
+end
+local t = redis.call('TIME')
+out[#out + 1] = t[1]
+out[#out + 1] = t[2]
+return out",
+    )
 });
 
 /// KEYS[1] key; ARGV token. Deletes the claim. Returns 1 if applied.
@@ -116,6 +152,12 @@ impl Found {
         record.expires_at = Timestamp(expires_at);
         if let State::InProgress { lease_until, .. } = &mut record.state {
             *lease_until = shift(*lease_until);
+        }
+        if bytes.get(4) == Some(&1) {
+            // Format 1 kept no metadata: its times are the header's, counted from 0.
+            let meta = &mut record.meta;
+            meta.claimed_at = shift(meta.claimed_at);
+            meta.completed_at = meta.completed_at.map(shift);
         }
         Ok(Found { bytes, record, now })
     }
@@ -413,6 +455,18 @@ fn command_error(key: &Key, e: redis::RedisError) -> Error {
     redis_error(message)
 }
 
+/// `text` with the characters a `SCAN MATCH` pattern gives a meaning to escaped.
+fn glob_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
@@ -430,7 +484,9 @@ impl Store for RedisStore {
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         // The record lives one TTL past the lease.
         let ttl = px(request.lease.saturating_add(request.ttl));
-        let claim = Record {
+        // Times count from 0, the moment Redis stores the claim, except the
+        // metadata's, which are this worker's clock.
+        let fresh = Record {
             fingerprint: request.fingerprint,
             created_at: Timestamp(0),
             expires_at: Timestamp(ttl),
@@ -438,8 +494,14 @@ impl Store for RedisStore {
                 token: request.token,
                 lease_until: Timestamp(millis(request.lease)),
             },
-        }
-        .encode();
+            meta: Meta {
+                origin: Some(request.origin.clone()),
+                claimed_at: Timestamp::now(),
+                attempts: 1,
+                ..Meta::default()
+            },
+        };
+        let claim = fresh.encode();
         for _ in 0..CLAIM_ATTEMPTS {
             let Some(mut bytes) = self.set_if_absent(key, &claim, ttl).await? else {
                 return Ok(Claim::Acquired { took_over: false });
@@ -470,12 +532,22 @@ impl Store for RedisStore {
                 }
             };
             let (decision, write) = decide_claim(Some(&found.record), request, found.now);
-            if write.is_none() {
+            let Some(write) = write else {
                 return Ok(in_local_clock(decision, found.now));
-            }
+            };
+            // A takeover or a retry goes on with the record's history; a record that
+            // expired meanwhile starts a new one.
+            let next = match found.record.is_expired(found.now) {
+                true => claim.clone(),
+                false => Record {
+                    meta: write.meta,
+                    ..fresh.clone()
+                }
+                .encode(),
+            };
             let px = ttl.to_string();
             let replaced: i64 = self
-                .script(&REPLACE, key, &[&found.bytes, &claim, px.as_bytes()])
+                .script(&REPLACE, key, &[&found.bytes, &next, px.as_bytes()])
                 .await?;
             if replaced == 1 {
                 return Ok(decision);
@@ -505,12 +577,21 @@ impl Store for RedisStore {
             created_at: Timestamp(0),
             expires_at: Timestamp(ttl),
             state,
+            meta: Meta {
+                completed_at: Some(Timestamp::now()),
+                ..Meta::default()
+            },
         }
         .encode();
         let ttl = ttl.to_string();
         let token = token.0.to_be_bytes();
+        let split = (COMPLETED_AT + 8).to_string();
         let applied: i64 = self
-            .script(&COMPLETE, key, &[&token, &header, payload, ttl.as_bytes()])
+            .script(
+                &COMPLETE,
+                key,
+                &[&token, &header, payload, ttl.as_bytes(), split.as_bytes()],
+            )
             .await?;
         Ok(net::fenced(applied as u64))
     }
@@ -538,12 +619,21 @@ impl Store for RedisStore {
                 token,
                 lease_until: Timestamp(millis(lease).min(px - 1)),
             },
+            meta: Meta {
+                renewed_at: Some(Timestamp::now()),
+                ..Meta::default()
+            },
         }
         .encode();
         let px = px.to_string();
         let token = token.0.to_be_bytes();
+        let split = CLAIMED_AT.to_string();
         let applied: i64 = self
-            .script(&COMPLETE, key, &[&token, &claim, b"", px.as_bytes()])
+            .script(
+                &COMPLETE,
+                key,
+                &[&token, &claim, b"", px.as_bytes(), split.as_bytes()],
+            )
             .await?;
         Ok(net::fenced(applied as u64))
     }
@@ -566,6 +656,132 @@ impl Store for RedisStore {
             )
             .await?;
         Ok(deleted == 1)
+    }
+
+    /// One `SCAN` of the store's prefix per page (the cursor is `SCAN`'s), then one
+    /// script that reads the page's records and the server time. A page holds about
+    /// `limit` records before filtering (`SCAN`'s `COUNT` is a hint), and pages are in
+    /// no particular order.
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        let cursor = after.map_or("0", |c| c.0.as_str()).to_owned();
+        let pattern = format!("{}*", glob_escape(&self.inner.prefix));
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(&cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(limit.max(1));
+        let listing = Key::from_text(format!("{pattern} (listing)"));
+        let (next, keys): (String, Vec<String>) = self
+            .send(
+                &listing,
+                |mut c| async move { scan.query_async(&mut c).await },
+            )
+            .await?;
+        let mut page = Page {
+            next: (next != "0").then_some(Cursor(next)),
+            now: Timestamp::now(),
+            ..Page::default()
+        };
+        if keys.is_empty() {
+            return Ok(page);
+        }
+        let mut invocation = FETCH.prepare_invoke();
+        for k in &keys {
+            invocation.key(k);
+        }
+        let values: Vec<redis::Value> = self
+            .send(&listing, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
+        let int = |v: Option<&redis::Value>| -> Option<i64> {
+            match v? {
+                redis::Value::Int(n) => Some(*n),
+                redis::Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+                redis::Value::SimpleString(s) => s.parse().ok(),
+                _ => None,
+            }
+        };
+        let (secs, micros) = (
+            int(values.get(keys.len() * 2)),
+            int(values.get(keys.len() * 2 + 1)),
+        );
+        let (Some(secs), Some(micros)) = (secs, micros) else {
+            return Err(redis_error("the listing script's reply has no server time"));
+        };
+        let now =
+            Timestamp((secs.max(0) as u64).saturating_mul(1000) + micros.max(0) as u64 / 1000);
+        page.now = now;
+        for (i, redis_key) in keys.iter().enumerate() {
+            let key = Key::from_text(
+                redis_key
+                    .strip_prefix(&self.inner.prefix)
+                    .unwrap_or(redis_key),
+            );
+            let left = int(values.get(2 * i + 1)).unwrap_or(-2);
+            let bytes = match &values[2 * i] {
+                redis::Value::BulkString(bytes) => bytes.clone(),
+                // Gone since the scan.
+                _ if left == -2 => continue,
+                _ => {
+                    return Err(Error::CorruptRecord {
+                        key,
+                        reason: "the Redis key holds another type than a string".to_owned(),
+                    })
+                }
+            };
+            let found = Found::in_time(&key, bytes, left, now)?;
+            if !found.record.is_expired(now) && filter.matches(&key, &found.record, now) {
+                page.records.push(Listed {
+                    key,
+                    record: found.record,
+                });
+            }
+        }
+        Ok(page)
+    }
+
+    /// Reads the record in time, decides, and writes only if the key still holds
+    /// exactly the record read.
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        let Some(found) = self.read(key).await? else {
+            return Ok(Fenced::LostLease);
+        };
+        let write = match decide_resolution(Some(&found.record), token, resolution, found.now) {
+            Ok(write) => write,
+            Err(lost) => return Ok(lost),
+        };
+        let applied: i64 = match (write, resolution) {
+            (Some(record), Resolution::Completed { ttl, .. }) => {
+                let ttl = px(ttl);
+                let bytes = Record {
+                    created_at: Timestamp(0),
+                    expires_at: Timestamp(ttl),
+                    meta: Meta {
+                        completed_at: Some(Timestamp::now()),
+                        ..record.meta
+                    },
+                    ..record
+                }
+                .encode();
+                let ttl = ttl.to_string();
+                self.script(&REPLACE, key, &[&found.bytes, &bytes, ttl.as_bytes()])
+                    .await?
+            }
+            _ => self.script(&REMOVE, key, &[&found.bytes]).await?,
+        };
+        Ok(net::fenced(applied as u64))
     }
 
     /// Redis expires records itself (`PX`): nothing to purge.

@@ -13,7 +13,8 @@ use crate::error::Fault;
 use crate::key::Fingerprint;
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{
-    decide_claim, decide_fenced, Claim, ClaimRequest, Fenced, Outcome, OwnerWrite, Store,
+    decide_claim, decide_fenced, decide_resolution, page_by_key, Claim, ClaimRequest, Cursor,
+    Fenced, Filter, Listed, Outcome, OwnerWrite, Page, Resolution, Store,
 };
 use crate::{blocking, Error, Key};
 
@@ -331,6 +332,25 @@ impl SledStore {
 
     /// A fenced write; flushed unless `durable` is false (renewals, which a crash may
     /// lose without harm: see [`Store::renew`]).
+    /// Writes what `decide` returns (see [`SledStore::update`]) durably, or returns the
+    /// answer of a write `decide` refused.
+    async fn write_if(
+        &self,
+        key: &Key,
+        durable: bool,
+        decide: impl Fn(Option<&Record>, Timestamp) -> Result<Option<Record>, Fenced>,
+    ) -> Result<Fenced, Error> {
+        let (fenced, ticket) =
+            self.update(key, durable, |current, now| match decide(current, now) {
+                Ok(write) => (Fenced::Applied, Some(write)),
+                Err(lost) => (lost, None),
+            })?;
+        if let Some(ticket) = ticket {
+            self.flush_through(ticket).await?;
+        }
+        Ok(fenced)
+    }
+
     async fn fenced(
         &self,
         key: &Key,
@@ -338,16 +358,10 @@ impl SledStore {
         owner_write: OwnerWrite<'_>,
         durable: bool,
     ) -> Result<Fenced, Error> {
-        let (fenced, ticket) = self.update(key, durable, |current, now| {
-            match decide_fenced(current, token, owner_write, now) {
-                Ok(write) => (Fenced::Applied, Some(write)),
-                Err(lost) => (lost, None),
-            }
-        })?;
-        if let Some(ticket) = ticket {
-            self.flush_through(ticket).await?;
-        }
-        Ok(fenced)
+        self.write_if(key, durable, |current, now| {
+            decide_fenced(current, token, owner_write, now)
+        })
+        .await
     }
 }
 
@@ -654,6 +668,61 @@ impl Store for SledStore {
         }
     }
 
+    /// Pages in key order, walking the tree from the cursor on a blocking thread. A
+    /// record that does not decode is an error naming its key, not skipped: an operator
+    /// listing records wants to know.
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        let tree = self.inner.tree.clone();
+        let (filter, after) = (filter.clone(), after.cloned());
+        let walk = move || {
+            let now = Timestamp::now();
+            let range = match &after {
+                Some(after) => tree.range::<&[u8], _>((
+                    std::ops::Bound::Excluded(after.0.as_bytes()),
+                    std::ops::Bound::Unbounded,
+                )),
+                None => tree.iter(),
+            };
+            let records = range.filter_map(|entry| {
+                let decoded = entry.map_err(sled_error).and_then(|(k, bytes)| {
+                    let key = Key::from_text(String::from_utf8_lossy(&k));
+                    let record = Record::decode(key.as_str(), &bytes)?;
+                    Ok(Listed { key, record })
+                });
+                match decoded {
+                    Ok(listed) if listed.record.is_expired(now) => None,
+                    other => Some(other),
+                }
+            });
+            page_by_key(records, &filter, limit, now)
+        };
+        let page = blocking::run(walk)
+            .await
+            .unwrap_or_else(|| Err(Error::store("sled", "the listing walk panicked")))?;
+        if !page.records.is_empty() && !self.inner.commit.settled() {
+            // What is listed is what a crash would leave.
+            self.flush().await?;
+        }
+        Ok(page)
+    }
+
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        self.write_if(key, true, |current, now| {
+            decide_resolution(current, token, resolution, now)
+        })
+        .await
+    }
+
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         let now = Timestamp::now();
         let record = self
@@ -726,6 +795,7 @@ mod tests {
         let key = Key::from_text("durable-replay");
         let fingerprint = Fingerprint::from_bytes([3; 32]);
         let request = |token| ClaimRequest {
+            origin: crate::store::Origin::new("run", "tool"),
             fingerprint,
             token,
             lease: Duration::from_secs(60),
