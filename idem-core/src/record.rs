@@ -537,6 +537,30 @@ impl Record {
     }
 }
 
+/// `record` as idem 0.1 encoded it (format 1: no metadata), for checking that such
+/// records still read back.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn encode_format_1(record: &Record) -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
+    out.push(1);
+    out.push(match record.state {
+        State::InProgress { .. } => 0,
+        State::Completed { .. } => 1,
+        State::Failed { .. } => 2,
+    });
+    out.extend_from_slice(record.fingerprint.as_bytes());
+    out.extend_from_slice(&record.created_at.0.to_be_bytes());
+    out.extend_from_slice(&record.expires_at.0.to_be_bytes());
+    match &record.state {
+        State::InProgress { token, lease_until } => {
+            out.extend_from_slice(&token.0.to_be_bytes());
+            out.extend_from_slice(&lease_until.0.to_be_bytes());
+        }
+        State::Completed { result: b } | State::Failed { error: b } => out.extend_from_slice(b),
+    }
+    out
+}
+
 fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_be_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
 }
@@ -628,28 +652,6 @@ mod tests {
         }
     }
 
-    /// Format 1's encoder, as idem 0.1 wrote records: kept here so that records of
-    /// that format are checked to read back.
-    fn encode_v1(fingerprint: [u8; 32], created: u64, expires: u64, state: &State) -> Vec<u8> {
-        let mut out = b"idem\x01".to_vec();
-        out.push(match state {
-            State::InProgress { .. } => 0,
-            State::Completed { .. } => 1,
-            State::Failed { .. } => 2,
-        });
-        out.extend_from_slice(&fingerprint);
-        out.extend_from_slice(&created.to_be_bytes());
-        out.extend_from_slice(&expires.to_be_bytes());
-        match state {
-            State::InProgress { token, lease_until } => {
-                out.extend_from_slice(&token.0.to_be_bytes());
-                out.extend_from_slice(&lease_until.0.to_be_bytes());
-            }
-            State::Completed { result: b } | State::Failed { error: b } => out.extend_from_slice(b),
-        }
-        out
-    }
-
     #[test]
     fn records_of_format_1_read_back_and_replay() {
         // A completed record exactly as idem 0.1 stored it (bytes written out by hand).
@@ -671,9 +673,18 @@ mod tests {
                 error: b"\"declined\"".to_vec(),
             },
         ];
-        assert_eq!(encode_v1([7; 32], 1_000, 5_000, &states[1]), golden);
+        let v1 = |state: &State| {
+            encode_format_1(&Record {
+                fingerprint: Fingerprint::from_bytes([7; 32]),
+                created_at: Timestamp(1_000),
+                expires_at: Timestamp(5_000),
+                state: state.clone(),
+                meta: Meta::default(),
+            })
+        };
+        assert_eq!(v1(&states[1]), golden);
         for state in states {
-            let bytes = encode_v1([7; 32], 1_000, 5_000, &state);
+            let bytes = v1(&state);
             let record = Record::decode("k", &bytes).unwrap();
             let done = !matches!(state, State::InProgress { .. });
             assert_eq!(

@@ -770,6 +770,14 @@ pub async fn a_claim_lives_by_its_lease_and_a_result_by_its_ttl(store: &dyn Stor
     );
 }
 
+/// `record` encoded as idem 0.1 wrote it (record format 1, which kept no metadata),
+/// for checking that a store still reads what such a build stored. The Redis store
+/// counts a record's times from the moment it stored it: give such a record times
+/// from 0.
+pub fn format_1_bytes(record: &Record) -> Vec<u8> {
+    crate::record::encode_format_1(record)
+}
+
 /// A request under `origin`.
 fn request_of(origin: &Origin, fingerprint: Fingerprint, lease: Duration) -> ClaimRequest {
     ClaimRequest {

@@ -814,6 +814,7 @@ fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> 
         (2, _, Some(error)) => State::Failed { error },
         (state, ..) => return Err(corrupt(format!("state {state} with missing fields"))),
     };
+    let done = !matches!(state, State::InProgress { .. });
     let origin = match (run_id, tool) {
         (Some(run_id), Some(tool)) => Some(Origin {
             tenant,
@@ -831,7 +832,8 @@ fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> 
         meta: Meta {
             origin,
             claimed_at: time(11)?.unwrap_or_default(),
-            completed_at: time(12)?,
+            // A row of idem 0.1 was last written by its completion.
+            completed_at: time(12)?.or(done.then(|| at(created))),
             renewed_at: time(13)?,
             attempts: count(14)?,
             takeovers: count(15)?,
