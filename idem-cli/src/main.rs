@@ -1,0 +1,458 @@
+//! `idem`: the operator's command for idem's idempotency records.
+//!
+//! It lists a store's records (by run, tenant, tool, state and age), shows one with its
+//! result, counts them by state, evicts one or a run's, resolves a call whose outcome is
+//! unknown, and purges expired records, in a sled directory, a Postgres table or a
+//! Redis prefix. Output is aligned text for people, or JSON with `--json` (one object
+//! per line for listings, so a million records stream). See `docs/operations.md`.
+//!
+//! Exit codes: 0 done; 1 the store failed; 2 bad usage; 3 no such record; 4 refused (the
+//! record is not in a state the command applies to, or eviction was not confirmed);
+//! 5 the sled directory is held by a running process.
+
+mod output;
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use clap::{Args, Parser, Subcommand};
+use idem_core::store::{Filter, Record, Resolution, State, StateKind, Timestamp};
+use idem_core::{Error, Key, PostgresStore, RedisStore, SledStore, Store};
+
+use output::Output;
+
+/// Inspect and operate idem's idempotency records.
+#[derive(Parser)]
+#[command(name = "idem", version, about, long_about = None)]
+struct Cli {
+    /// The store: `sled:PATH`, `postgres://...` or `redis://...`. Default: the sled
+    /// store the library opens by default (`$IDEM_DIR`, else `.idem`).
+    #[arg(long, global = true, env = "IDEM_STORE")]
+    store: Option<String>,
+    /// The Postgres table (`idem_records` by default).
+    #[arg(long, global = true)]
+    table: Option<String>,
+    /// The Redis key prefix (`idem:` by default).
+    #[arg(long, global = true)]
+    prefix: Option<String>,
+    /// JSON instead of text: one object per line for `ls`, one object otherwise.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List records, a page at a time (a million records never sit in memory).
+    Ls {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Stop after this many records.
+        #[arg(long)]
+        limit: Option<u64>,
+    },
+    /// Show one record: who made it, its history and its result.
+    Show {
+        /// The record's key (as `ls` prints it).
+        key: String,
+    },
+    /// Count records by state.
+    Stats {
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+    /// Remove a record (the next call with its input runs again), or all of a run's.
+    Evict {
+        /// The record's key.
+        #[arg(required_unless_present = "run", conflicts_with = "run")]
+        key: Option<String>,
+        /// Remove every record of this run instead.
+        #[arg(long)]
+        run: Option<String>,
+        /// With `--run`: only the run's records in this tenant.
+        #[arg(long, requires = "run")]
+        tenant: Option<String>,
+        /// Do not ask.
+        #[arg(long, short)]
+        yes: bool,
+    },
+    /// Settle a call whose outcome is unknown (an abandoned claim).
+    Resolve {
+        /// The record's key.
+        key: String,
+        /// It happened, with this result (JSON, as the tool returns it): the next call
+        /// replays it.
+        #[arg(
+            long,
+            value_name = "JSON",
+            conflicts_with = "release",
+            required_unless_present = "release"
+        )]
+        completed: Option<String>,
+        /// It never happened: remove the claim, so the next call runs.
+        #[arg(long)]
+        release: bool,
+        /// How long the result is kept (default: the TTL the call claimed with).
+        #[arg(long, value_parser = humantime::parse_duration, requires = "completed")]
+        ttl: Option<Duration>,
+    },
+    /// Remove expired records (Redis expires its own: nothing to do there).
+    Purge,
+}
+
+#[derive(Args, Clone)]
+struct FilterArgs {
+    /// Only this run's records.
+    #[arg(long)]
+    run: Option<String>,
+    /// Only this tenant's records.
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Only this tool's records.
+    #[arg(long)]
+    tool: Option<String>,
+    /// Only records in this state: running, abandoned, completed or failed.
+    #[arg(long)]
+    state: Option<StateKind>,
+    /// Only records first claimed longer ago than this (`90s`, `1h`, `2days`).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    older_than: Option<Duration>,
+}
+
+impl FilterArgs {
+    fn filter(&self) -> Filter {
+        let now = Timestamp::now().as_millis();
+        Filter {
+            run_id: self.run.clone(),
+            tenant: self.tenant.clone(),
+            tool: self.tool.clone(),
+            state: self.state,
+            claimed_before: self.older_than.map(|age| {
+                let age = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+                Timestamp::from_millis(now.saturating_sub(age))
+            }),
+        }
+    }
+}
+
+/// How a command ended, as an exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exit {
+    Failed = 1,
+    NotFound = 3,
+    Refused = 4,
+    Busy = 5,
+}
+
+/// A failure to report: its exit code and message.
+struct Failure(Exit, String);
+
+impl From<Error> for Failure {
+    fn from(error: Error) -> Self {
+        let mut text = error.to_string();
+        let mut source = std::error::Error::source(&error);
+        while let Some(cause) = source {
+            let cause_text = cause.to_string();
+            if !text.contains(&cause_text) {
+                text += &format!("\n  caused by: {cause_text}");
+            }
+            source = cause.source();
+        }
+        Failure(Exit::Failed, text)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::from(Exit::Failed as u8);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(exit, message)) => {
+            eprintln!("error: {message}");
+            ExitCode::from(exit as u8)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let store = open(&cli).await?;
+    let out = Output::new(cli.json);
+    match cli.command {
+        Command::Ls { filter, limit } => ls(&*store, &filter.filter(), limit, &out).await,
+        Command::Show { key } => {
+            let (key, record) = find(&*store, &key).await?;
+            out.record(&key, &record, Timestamp::now());
+            Ok(())
+        }
+        Command::Stats { filter } => {
+            let counts = store.count(&filter.filter()).await?;
+            out.counts(&counts);
+            Ok(())
+        }
+        Command::Evict {
+            key: Some(key),
+            yes,
+            ..
+        } => {
+            let (key, record) = find(&*store, &key).await?;
+            let state = StateKind::of(&record, Timestamp::now());
+            let question = format!(
+                "Evict {key} ({state}{})? The next call with its input runs again.",
+                output::whose(&record)
+            );
+            confirm(yes, &question)?;
+            let removed = store.delete(&key).await?;
+            out.done(&format!("evicted {key}"), u64::from(removed));
+            Ok(())
+        }
+        Command::Evict {
+            run, tenant, yes, ..
+        } => {
+            let filter = Filter {
+                run_id: run.clone(),
+                tenant,
+                ..Filter::default()
+            };
+            let n = store.count(&filter).await?.total();
+            if n == 0 {
+                out.done("nothing to evict", 0);
+                return Ok(());
+            }
+            let run = run.unwrap_or_default();
+            confirm(
+                yes,
+                &format!("Evict the {n} records of run {run}? Its calls run again when retried."),
+            )?;
+            let removed = store.delete_matching(&filter).await?;
+            out.done(&format!("evicted {removed} records of run {run}"), removed);
+            Ok(())
+        }
+        Command::Resolve {
+            key,
+            completed,
+            release,
+            ttl,
+        } => resolve(&*store, &key, completed, release, ttl, &out).await,
+        Command::Purge => {
+            let removed = store.purge_expired().await?;
+            out.done(&format!("removed {removed} expired records"), removed);
+            Ok(())
+        }
+    }
+}
+
+/// The store the command names.
+async fn open(cli: &Cli) -> Result<Arc<dyn Store>, Failure> {
+    let spec = match &cli.store {
+        Some(spec) => spec.clone(),
+        None => format!("sled:{}", idem_core::default_store_dir().display()),
+    };
+    if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
+        let mut builder = PostgresStore::builder(&spec);
+        if let Some(table) = &cli.table {
+            builder = builder.table(table);
+        }
+        // No migration: an operator's look changes nothing (and may be read-only).
+        return Ok(Arc::new(builder.build()?));
+    }
+    if spec.starts_with("redis://") || spec.starts_with("rediss://") {
+        let mut builder = RedisStore::builder(&spec);
+        if let Some(prefix) = &cli.prefix {
+            builder = builder.prefix(prefix);
+        }
+        return Ok(Arc::new(builder.connect().await?));
+    }
+    let Some(path) = spec.strip_prefix("sled:") else {
+        return Err(Failure(
+            Exit::Failed,
+            format!("unknown store `{spec}`: use sled:PATH, postgres://... or redis://..."),
+        ));
+    };
+    if !std::path::Path::new(path).join("conf").exists() {
+        // Opening would create an empty store: say there is none instead.
+        return Err(Failure(
+            Exit::NotFound,
+            format!("no sled store in `{path}` (set --store, IDEM_STORE or IDEM_DIR)"),
+        ));
+    }
+    match SledStore::open(path) {
+        Ok(store) => Ok(Arc::new(store)),
+        Err(error) if held_elsewhere(&error) => Err(Failure(
+            Exit::Busy,
+            format!(
+                "the sled store in `{path}` is open in a running process (an agent): sled lets \
+                 one process open a directory at a time.\n  To look now, copy it and look at the \
+                 copy: cp -r {path} /tmp/idem-copy && idem --store sled:/tmp/idem-copy ls\n  \
+                 To change records (evict, resolve), stop the agent first, or run it on the \
+                 Postgres or Redis store."
+            ),
+        )),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Whether opening sled failed because another process holds the directory.
+fn held_elsewhere(error: &Error) -> bool {
+    let mut source: Option<&dyn std::error::Error> = Some(error);
+    while let Some(e) = source {
+        if e.to_string().contains("held by another process") {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// The live record under `key`, or the "not found" failure.
+async fn find(store: &dyn Store, key: &str) -> Result<(Key, Record), Failure> {
+    let key = Key::from_text(key);
+    match store.get(&key).await? {
+        Some(record) => Ok((key, record)),
+        None => Err(Failure(
+            Exit::NotFound,
+            format!("no record under `{key}` (it may have expired)"),
+        )),
+    }
+}
+
+/// Asks `question` on the terminal unless `yes`; refuses without a terminal.
+fn confirm(yes: bool, question: &str) -> Result<(), Failure> {
+    if yes {
+        return Ok(());
+    }
+    if !std::io::stdin().is_terminal() {
+        return Err(Failure(
+            Exit::Refused,
+            format!("{question}\n  Not confirmed: stdin is not a terminal; pass --yes"),
+        ));
+    }
+    eprint!("{question} [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    let _ = std::io::stdin().lock().read_line(&mut answer);
+    if matches!(answer.trim(), "y" | "Y" | "yes") {
+        Ok(())
+    } else {
+        Err(Failure(
+            Exit::Refused,
+            "not confirmed; nothing changed".into(),
+        ))
+    }
+}
+
+/// Streams the listing, a page at a time.
+async fn ls(
+    store: &dyn Store,
+    filter: &Filter,
+    limit: Option<u64>,
+    out: &Output,
+) -> Result<(), Failure> {
+    let (mut after, mut shown) = (None, 0u64);
+    let mut stdout = std::io::stdout().lock();
+    out.list_header(&mut stdout);
+    loop {
+        let page = store.list(filter, after.as_ref(), 1_000).await?;
+        for listed in &page.records {
+            if limit.is_some_and(|limit| shown >= limit) {
+                return Ok(());
+            }
+            if !out.list_row(&mut stdout, &listed.key, &listed.record, page.now) {
+                // The reader went away (`| head`): stop quietly.
+                return Ok(());
+            }
+            shown += 1;
+        }
+        match page.next {
+            Some(next) => after = Some(next),
+            None => return Ok(()),
+        }
+    }
+}
+
+async fn resolve(
+    store: &dyn Store,
+    key: &str,
+    completed: Option<String>,
+    release: bool,
+    ttl: Option<Duration>,
+    out: &Output,
+) -> Result<(), Failure> {
+    let (key, record) = find(store, key).await?;
+    let now = Timestamp::now();
+    let State::InProgress { token, lease_until } = record.state else {
+        return Err(Failure(
+            Exit::Refused,
+            format!(
+                "`{key}` is {}: only an abandoned claim (state abandoned) has an unknown \
+                 outcome; to make its next call run again, evict it",
+                StateKind::of(&record, now)
+            ),
+        ));
+    };
+    if lease_until > now {
+        return Err(Failure(
+            Exit::Refused,
+            format!(
+                "`{key}` is running: its call holds it for {} more (or until its process is \
+                 seen to be gone); resolve it once it is abandoned",
+                humantime::format_duration(Duration::from_secs(
+                    lease_until.remaining(now).as_secs()
+                ))
+            ),
+        ));
+    }
+    let text;
+    let resolution = match completed {
+        Some(json) => {
+            text = json.trim().to_owned();
+            if let Err(e) = serde_json::from_str::<serde_json::Value>(&text) {
+                return Err(Failure(
+                    Exit::Failed,
+                    format!("--completed is not JSON: {e}"),
+                ));
+            }
+            // The TTL the call claimed with: its record expires that long after its lease.
+            let claimed = record.expires_at.remaining(lease_until);
+            Resolution::Completed {
+                result: text.as_bytes(),
+                ttl: ttl.unwrap_or(claimed),
+            }
+        }
+        // clap requires one of `--completed` and `--release`.
+        None => Resolution::Released,
+    };
+    debug_assert!(release || matches!(resolution, Resolution::Completed { .. }));
+    let what = match resolution {
+        Resolution::Completed { .. } => "completed: its next call replays the result",
+        Resolution::Released => "released: its next call runs",
+    };
+    match store.resolve(&key, token, resolution).await? {
+        idem_core::store::Fenced::Applied => {
+            out.done(&format!("resolved {key} as {what}"), 1);
+            Ok(())
+        }
+        idem_core::store::Fenced::LostLease => Err(Failure(
+            Exit::Refused,
+            format!("`{key}` changed while it was being resolved (a call took it over, or it was evicted); look again with `idem show {key}`"),
+        )),
+    }
+}
+
+/// Milliseconds since the epoch as a time people read.
+fn time(t: Timestamp) -> String {
+    let at = SystemTime::UNIX_EPOCH + Duration::from_millis(t.as_millis());
+    humantime::format_rfc3339_seconds(at).to_string()
+}

@@ -1,0 +1,203 @@
+//! What `idem` prints: aligned text for people, JSON for scripts.
+
+use std::io::Write;
+
+use idem_core::store::{Counts, Record, State, StateKind, Timestamp};
+use idem_core::Key;
+use serde_json::{json, Value};
+
+use crate::time;
+
+/// Text or JSON.
+pub(crate) struct Output {
+    json: bool,
+}
+
+/// The width of the listing's text columns before the key, which comes last.
+const STATE: usize = 9;
+const ATTEMPTS: usize = 3;
+const CLAIMED: usize = 20;
+const TOOL: usize = 24;
+const RUN: usize = 24;
+
+impl Output {
+    pub(crate) fn new(json: bool) -> Self {
+        Output { json }
+    }
+
+    pub(crate) fn list_header(&self, out: &mut impl Write) {
+        if !self.json {
+            let _ = writeln!(
+                out,
+                "{:STATE$}  {:>ATTEMPTS$}  {:CLAIMED$}  {:TOOL$}  {:RUN$}  KEY",
+                "STATE", "TRY", "CLAIMED (UTC)", "TOOL", "RUN"
+            );
+        }
+    }
+
+    /// One row of a listing; `false` once the reader has gone.
+    pub(crate) fn list_row(
+        &self,
+        out: &mut impl Write,
+        key: &Key,
+        record: &Record,
+        now: Timestamp,
+    ) -> bool {
+        let written = if self.json {
+            writeln!(out, "{}", summary(key, record, now))
+        } else {
+            let origin = record.meta.origin.as_ref();
+            writeln!(
+                out,
+                "{:STATE$}  {:>ATTEMPTS$}  {:CLAIMED$}  {:TOOL$}  {:RUN$}  {key}",
+                StateKind::of(record, now).as_str(),
+                record.meta.attempts,
+                time(record.meta.claimed_at),
+                clip(origin.map_or(key.label().unwrap_or("-"), |o| &o.tool), TOOL),
+                clip(origin.map_or("-", |o| &o.run_id), RUN),
+            )
+        };
+        written.is_ok()
+    }
+
+    /// One record in full, its result included.
+    pub(crate) fn record(&self, key: &Key, record: &Record, now: Timestamp) {
+        let mut value = summary(key, record, now);
+        let (label, payload) = match &record.state {
+            State::Completed { result } => ("result", Some(result)),
+            State::Failed { error } => ("error", Some(error)),
+            State::InProgress { .. } => ("result", None),
+        };
+        let payload = payload.map(|bytes| {
+            serde_json::from_slice::<Value>(bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(bytes).into_owned()))
+        });
+        value["fingerprint"] = json!(hex(record.fingerprint.as_bytes()));
+        value[label] = payload.clone().unwrap_or(Value::Null);
+        if self.json {
+            println!("{value}");
+            return;
+        }
+        let origin = record.meta.origin.as_ref();
+        let state = StateKind::of(record, now);
+        let mut state_text = state.as_str().to_owned();
+        if let State::InProgress { lease_until, .. } = record.state {
+            let verb = if state == StateKind::Running {
+                "lease ends"
+            } else {
+                "lease ran out"
+            };
+            state_text += &format!(" ({verb} {})", time(lease_until));
+        }
+        let opt = |t: Option<Timestamp>| t.map_or("-".to_owned(), time);
+        let part = |p: Option<&str>| p.unwrap_or("-").to_owned();
+        let rows = [
+            ("key", key.to_string()),
+            ("state", state_text),
+            ("tool", part(origin.map(|o| &*o.tool).or(key.label()))),
+            ("run", part(origin.map(|o| &*o.run_id))),
+            ("tenant", part(origin.and_then(|o| o.tenant.as_deref()))),
+            ("call id", part(origin.and_then(|o| o.call_id.as_deref()))),
+            ("claimed", time(record.meta.claimed_at)),
+            ("renewed", opt(record.meta.renewed_at)),
+            ("completed", opt(record.meta.completed_at)),
+            ("expires", time(record.expires_at)),
+            (
+                "attempts",
+                format!(
+                    "{} ({} takeovers)",
+                    record.meta.attempts, record.meta.takeovers
+                ),
+            ),
+            ("fingerprint", hex(record.fingerprint.as_bytes())),
+        ];
+        for (name, value) in rows {
+            println!("{name:12} {value}");
+        }
+        match payload {
+            Some(payload) => {
+                let pretty = serde_json::to_string_pretty(&payload).unwrap_or_default();
+                println!("{label}:");
+                for line in pretty.lines() {
+                    println!("  {line}");
+                }
+            }
+            None => println!("{label:12} - (no outcome yet)"),
+        }
+        if origin.is_none() {
+            println!("(written by idem 0.1: no run, tenant or call id was kept)");
+        }
+    }
+
+    pub(crate) fn counts(&self, counts: &Counts) {
+        if self.json {
+            let mut value = json!({ "total": counts.total() });
+            for state in StateKind::ALL {
+                value[state.as_str()] = json!(counts.get(state));
+            }
+            println!("{value}");
+            return;
+        }
+        println!("{:10} {:>10}", "STATE", "RECORDS");
+        for state in StateKind::ALL {
+            println!("{:10} {:>10}", state.as_str(), counts.get(state));
+        }
+        println!("{:10} {:>10}", "total", counts.total());
+    }
+
+    /// A change made: `what` for people, `{"done": what, "count": n}` for scripts.
+    pub(crate) fn done(&self, what: &str, count: u64) {
+        if self.json {
+            println!("{}", json!({ "done": what, "count": count }));
+        } else {
+            println!("{what}");
+        }
+    }
+}
+
+/// The record's metadata as JSON (no result).
+fn summary(key: &Key, record: &Record, now: Timestamp) -> Value {
+    let origin = record.meta.origin.as_ref();
+    let ms = |t: Option<Timestamp>| t.map(time);
+    let lease_until = match record.state {
+        State::InProgress { lease_until, .. } => Some(lease_until),
+        _ => None,
+    };
+    json!({
+        "key": key.as_str(),
+        "state": StateKind::of(record, now).as_str(),
+        "tool": origin.map(|o| &*o.tool).or(key.label()),
+        "run_id": origin.map(|o| &*o.run_id),
+        "tenant": origin.and_then(|o| o.tenant.as_deref()),
+        "call_id": origin.and_then(|o| o.call_id.as_deref()),
+        "claimed_at": time(record.meta.claimed_at),
+        "renewed_at": ms(record.meta.renewed_at),
+        "completed_at": ms(record.meta.completed_at),
+        "lease_until": ms(lease_until),
+        "expires_at": time(record.expires_at),
+        "attempts": record.meta.attempts,
+        "takeovers": record.meta.takeovers,
+    })
+}
+
+/// `text` cut to `width` characters, the cut marked with `…`.
+fn clip(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        return text.to_owned();
+    }
+    let mut out: String = text.chars().take(width - 1).collect();
+    out.push('…');
+    out
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Who made the record, for a question: `, tool send_email, run r-1`.
+pub(crate) fn whose(record: &Record) -> String {
+    match &record.meta.origin {
+        Some(o) => format!(", tool {}, run {}", o.tool, o.run_id),
+        None => String::new(),
+    }
+}
