@@ -58,8 +58,8 @@ pub use idem_core::describe_metrics;
 pub use idem_core::sweeper;
 pub use idem_core::{
     current_key, default_store, default_store_dir, observe, observe_sync, set_default_store,
-    CallOutcome, CallReport, Delivery, Error, Key, LocalCache, MemoryStore, OnBusy, Options, Run,
-    Store,
+    CallOutcome, CallReport, Delivery, Error, Key, LocalCache, MemoryStore, OnBusy, Options,
+    Reconciled, Run, Store,
 };
 #[cfg(feature = "postgres")]
 pub use idem_core::{PostgresStore, PostgresStoreBuilder};
@@ -89,9 +89,9 @@ pub mod key {
 #[doc(hidden)]
 pub mod __private_0_1_0 {
     pub use idem_core::__private::{
-        default_tool_name, execute, execute_blocking, execute_finishing, from_idem_error,
-        CacheErrors, Call, KeyInput, ReleaseErrors, Replayable, RunArgument, RunSource, Sorted,
-        ToolOutput,
+        abandoned, default_tool_name, execute, execute_blocking, execute_finishing,
+        from_idem_error, settle, CacheErrors, Call, KeyInput, ReleaseErrors, Replayable,
+        RunArgument, RunSource, Sorted, ToolOutput,
     };
     pub use idem_core::Options;
 }

@@ -3,6 +3,11 @@
 //! points, including after the provider charged and before idem stored the result; the
 //! agent retries in a new process; the provider must have charged each order once.
 //!
+//! The same campaign runs an `at_most_once` tool with a reconcile hook against a
+//! provider that does not deduplicate (it only records keys, for lookups): the retry
+//! asks the provider what happened to the abandoned call, and must get the one charge
+//! made, or run the charge once, never `OutcomeUnknown` and never a second charge.
+//!
 //! `IDEM_KILL_POINTS=50 cargo test --test downstream -- --nocapture` runs a longer
 //! campaign and prints where the kills landed.
 
@@ -13,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use idem::{idempotent, Run, SledStore};
+use idem::{idempotent, Key, Reconciled, Run, SledStore};
 use provider::{Charge, ChargeRequest, Provider};
 
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +45,72 @@ async fn charge_card(
         .map_err(PaymentError::Provider)?;
     tokio::time::sleep(Duration::from_millis(bookkeeping_ms)).await;
     Ok(charge)
+}
+
+/// The payment tool at most once, for a provider that does not deduplicate: it sends
+/// idem's key only so that the provider records it, and its reconcile hook asks the
+/// provider for the charge made under it.
+#[idempotent(
+    name = "charge_card_once",
+    lease = "300ms",
+    at_most_once,
+    reconcile = charge_made,
+    skip = [http, base, bookkeeping_ms]
+)]
+async fn charge_card_once(
+    run: &Run,
+    input: ChargeRequest,
+    http: &reqwest::Client,
+    base: &str,
+    bookkeeping_ms: u64,
+) -> Result<Charge, PaymentError> {
+    charge_card_body(input, http, base, bookkeeping_ms).await
+}
+
+async fn charge_card_body(
+    input: ChargeRequest,
+    http: &reqwest::Client,
+    base: &str,
+    bookkeeping_ms: u64,
+) -> Result<Charge, PaymentError> {
+    let key = idem::current_key().ok_or_else(|| PaymentError::Provider("no key".into()))?;
+    let (charge, _) = provider::charge(http, base, key.as_str(), &input)
+        .await
+        .map_err(PaymentError::Provider)?;
+    tokio::time::sleep(Duration::from_millis(bookkeeping_ms)).await;
+    Ok(charge)
+}
+
+/// The reconcile hook: the provider's charge under the call's key, if it made one.
+async fn charge_made(
+    key: &Key,
+    _input: &ChargeRequest,
+    http: &&reqwest::Client,
+    base: &&str,
+    _bookkeeping_ms: &u64,
+) -> Reconciled<Charge> {
+    match provider::lookup(http, base, key.as_str()).await {
+        Ok(Some(charge)) => Reconciled::Happened(charge),
+        Ok(None) => Reconciled::NeverHappened,
+        Err(_) => Reconciled::Unknown,
+    }
+}
+
+/// The same tool without the hook: what `at_most_once` alone answers.
+#[idempotent(
+    name = "charge_card_once",
+    lease = "300ms",
+    at_most_once,
+    skip = [http, base, bookkeeping_ms]
+)]
+async fn charge_card_once_unreconciled(
+    run: &Run,
+    input: ChargeRequest,
+    http: &reqwest::Client,
+    base: &str,
+    bookkeeping_ms: u64,
+) -> Result<Charge, PaymentError> {
+    charge_card_body(input, http, base, bookkeeping_ms).await
 }
 
 fn order(i: u64) -> ChargeRequest {
@@ -77,6 +148,18 @@ fn payment_worker() {
         match role.as_str() {
             "charge" => {
                 let _ = charge_card(&run, order(i), &http, &url, 80).await;
+            }
+            "charge_once" => {
+                let _ = charge_card_once(&run, order(i), &http, &url, 80).await;
+            }
+            "retry_once" => {
+                // The agent's retry, once: an `OutcomeUnknown` is written down, not retried.
+                let answer = match charge_card_once(&run, order(i), &http, &url, 0).await {
+                    Ok(charge) => charge.id,
+                    Err(PaymentError::Idem(idem::Error::OutcomeUnknown { .. })) => "unknown".into(),
+                    Err(e) => format!("error: {e}"),
+                };
+                std::fs::write(dir.join("answer"), answer).unwrap();
             }
             "retry" => {
                 let deadline = Instant::now() + Duration::from_secs(30);
@@ -162,4 +245,97 @@ async fn killed_after_the_charge_the_retry_is_replayed_by_the_provider() {
         in_window > 0,
         "no kill landed in the window this test is about"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_at_most_once_calls_are_reconciled_with_the_provider() {
+    let provider = Provider::start_without_replay().await.unwrap();
+    let kill_points: u64 = std::env::var("IDEM_KILL_POINTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(20);
+    let (mut before_charge, mut in_window, mut after_finish) = (0, 0, 0);
+    for i in 0..kill_points {
+        let dir = tempfile::tempdir().unwrap();
+        let charged_before = provider.charges().len();
+        let mut first = spawn("charge_once", &provider.url(), dir.path(), i);
+        tokio::time::sleep(Duration::from_millis((i * 37) % 180)).await;
+        let finished = first.try_wait().unwrap().is_some();
+        let _ = first.kill();
+        first.wait().unwrap();
+        match (provider.charges().len() - charged_before, finished) {
+            (0, _) => before_charge += 1,
+            (_, false) => in_window += 1,
+            (_, true) => after_finish += 1,
+        }
+        // One retry, in a new process, right away (within the dead claim's lease).
+        let mut retry = spawn("retry_once", &provider.url(), dir.path(), i);
+        let status = tokio::task::spawn_blocking(move || retry.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(status.success(), "order {i}: the retry failed");
+        let answer = std::fs::read_to_string(dir.path().join("answer")).unwrap();
+        let charges = &provider.charges()[charged_before..];
+        assert_eq!(
+            charges.len(),
+            1,
+            "order {i}: charged {} times (answer {answer})",
+            charges.len()
+        );
+        assert_eq!(answer, charges[0].id, "order {i}: the agent got {answer}");
+    }
+    println!(
+        "at most once + reconcile, {kill_points} kill points: {before_charge} before the charge, \
+         {in_window} after the charge and before idem stored the result, {after_finish} after \
+         the call finished; 0 OutcomeUnknown, charges made: {} for {kill_points} orders",
+        provider.charges().len()
+    );
+    assert!(
+        in_window > 0,
+        "no kill landed in the window this test is about"
+    );
+}
+
+/// The agent's own timeout drops the call after the charge went out (the story idem
+/// exists for). At most once alone, the retry can only say the outcome is unknown;
+/// with the hook, it gets the charge that was made, and nothing is charged twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_timeout_after_the_charge_is_reconciled_not_unknown() {
+    let provider = Provider::start_without_replay().await.unwrap();
+    let http = reqwest::Client::new();
+    let url = provider.url();
+    let store = idem::MemoryStore::new();
+    for (n, reconciled) in [(0, false), (1, true)] {
+        let run = Run::new(format!("timeout-{n}")).with_store(store.clone());
+        let timed_out = tokio::time::timeout(Duration::from_millis(150), async {
+            match reconciled {
+                true => charge_card_once(&run, order(n), &http, &url, 1_000).await,
+                false => charge_card_once_unreconciled(&run, order(n), &http, &url, 1_000).await,
+            }
+        })
+        .await;
+        assert!(timed_out.is_err(), "the call outlived the agent's timeout");
+        assert_eq!(
+            provider.charges().len() as u64,
+            n + 1,
+            "the charge went out"
+        );
+        let retry = match reconciled {
+            true => charge_card_once(&run, order(n), &http, &url, 0).await,
+            false => charge_card_once_unreconciled(&run, order(n), &http, &url, 0).await,
+        };
+        match (reconciled, retry) {
+            (false, Err(PaymentError::Idem(idem::Error::OutcomeUnknown { .. }))) => {}
+            (true, Ok(charge)) => assert_eq!(charge, provider.charges()[n as usize]),
+            (_, other) => panic!("reconciled: {reconciled}: {other:?}"),
+        }
+        assert_eq!(provider.charges().len() as u64, n + 1, "charged twice");
+        // Every later retry replays the same charge.
+        if reconciled {
+            let again = charge_card_once(&run, order(n), &http, &url, 0)
+                .await
+                .unwrap();
+            assert_eq!(again, provider.charges()[n as usize]);
+        }
+    }
 }

@@ -1,7 +1,13 @@
 //! A local payment provider that honours `Idempotency-Key` the way Stripe documents it:
 //! the same key with the same parameters returns the stored response (marked
 //! `Idempotent-Replayed: true`); the same key with other parameters is a 400 error; a
-//! request without a key charges every time. It counts real charges.
+//! request without a key charges every time. It counts real charges, and answers a
+//! lookup of the charge made under a key (`GET /v1/charges?idempotency_key=K`).
+//!
+//! [`Provider::start_without_replay`] starts one that only records keys, for lookups,
+//! and charges every request: a provider whose idempotency window has passed, or that
+//! keeps a client reference it never deduplicates by. There, only the client can keep a
+//! retry from charging twice.
 //!
 //! Runs on 127.0.0.1 with an ephemeral port, for tests and examples; [`charge`] is the
 //! client call a payment tool makes.
@@ -38,6 +44,8 @@ pub struct Charge {
 struct Ledger {
     charges: Vec<Charge>,
     by_key: HashMap<String, (ChargeRequest, Charge)>,
+    /// Whether a request with a known key replays the stored charge.
+    replays: bool,
 }
 
 /// A running provider; stops with the runtime it was started on.
@@ -50,9 +58,21 @@ pub struct Provider {
 impl Provider {
     /// Starts the provider on the current tokio runtime.
     pub async fn start() -> std::io::Result<Provider> {
-        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        Self::start_with(true).await
+    }
+
+    /// Starts a provider that records keys for lookups but charges every request.
+    pub async fn start_without_replay() -> std::io::Result<Provider> {
+        Self::start_with(false).await
+    }
+
+    async fn start_with(replays: bool) -> std::io::Result<Provider> {
+        let ledger = Arc::new(Mutex::new(Ledger {
+            replays,
+            ..Ledger::default()
+        }));
         let app = Router::new()
-            .route("/v1/charges", post(handle_charge))
+            .route("/v1/charges", post(handle_charge).get(handle_lookup))
             .with_state(ledger.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -107,6 +127,42 @@ pub async fn charge(
     Ok((charge, replayed))
 }
 
+/// What a payment tool's reconcile hook asks: the charge made under `idempotency_key`
+/// (the first, if several were), `None` if there is none, or the transport's error.
+pub async fn lookup(
+    http: &reqwest::Client,
+    base: &str,
+    idempotency_key: &str,
+) -> Result<Option<Charge>, String> {
+    let response = http
+        // idem's keys are letters, digits, `_`, `-` and `.`: nothing to escape.
+        .get(format!(
+            "{base}/v1/charges?idempotency_key={idempotency_key}"
+        ))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    match response.status() {
+        StatusCode::NOT_FOUND => Ok(None),
+        status if status.is_success() => response.json().await.map(Some).map_err(|e| e.to_string()),
+        status => Err(format!("lookup answered {status}")),
+    }
+}
+
+async fn handle_lookup(
+    State(ledger): State<Arc<Mutex<Ledger>>>,
+    axum::extract::Query(query): axum::extract::Query<HashMap<String, String>>,
+) -> Response {
+    let ledger = ledger.lock().unwrap();
+    let found = query
+        .get("idempotency_key")
+        .and_then(|key| ledger.by_key.get(key));
+    match found {
+        Some((_, charge)) => Json(charge.clone()).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
 async fn handle_charge(
     State(ledger): State<Arc<Mutex<Ledger>>>,
     headers: HeaderMap,
@@ -117,7 +173,7 @@ async fn handle_charge(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let mut ledger = ledger.lock().unwrap();
-    if let Some(key) = &key {
+    if let Some(key) = key.as_ref().filter(|_| ledger.replays) {
         if let Some((params, charge)) = ledger.by_key.get(key) {
             if params != &request {
                 let body = "Keys for idempotent requests can only be used with the same parameters";
@@ -136,7 +192,10 @@ async fn handle_charge(
     };
     ledger.charges.push(charge.clone());
     if let Some(key) = key {
-        ledger.by_key.insert(key, (request, charge.clone()));
+        ledger
+            .by_key
+            .entry(key)
+            .or_insert((request, charge.clone()));
     }
     Json(charge).into_response()
 }

@@ -11,6 +11,7 @@
 //! | the `Store` trait and the claim rule | [`store`] |
 //! | the protocol (claim → run → complete / release) | `protocol.rs` (private; the attribute's way in) |
 //! | per-tool options (TTL, lease, waiting, delivery) | [`Options`] |
+//! | asking downstream what happened to an unknown outcome | `reconcile.rs` ([`Reconciled`]) |
 //! | the run context, `current_key`, the default store | [`Run`], [`current_key`], [`default_store`] |
 //! | a call's span, metrics and outcome ([`observe`]) | `telemetry.rs` ([`CallOutcome`], [`CallReport`]) |
 //! | the stores | [`MemoryStore`], [`SledStore`], `PostgresStore` (feature `postgres`), `RedisStore` (feature `redis`) |
@@ -40,6 +41,7 @@ mod key;
 mod key_text;
 mod options;
 mod protocol;
+mod reconcile;
 mod record;
 mod run;
 pub mod store;
@@ -59,6 +61,7 @@ pub mod input {
 pub use error::Error;
 pub use key_text::Key;
 pub use options::{Delivery, OnBusy, Options};
+pub use reconcile::Reconciled;
 pub use run::{current_key, default_store, default_store_dir, set_default_store, Run};
 pub use store::local_cache::LocalCache;
 pub use store::memory::MemoryStore;
@@ -83,4 +86,5 @@ pub mod __private {
         ErrorCodec, ErrorPolicy, FinishesAlone, ReleaseErrors, Replayable, RunArgument, RunSource,
         ToolOutput,
     };
+    pub use crate::reconcile::{abandoned, settle, Abandoned};
 }

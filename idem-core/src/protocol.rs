@@ -404,6 +404,22 @@ impl Call {
     pub fn fingerprint(&self) -> &Fingerprint {
         &self.fingerprint
     }
+
+    pub(crate) fn run(&self) -> &Run {
+        &self.run
+    }
+
+    pub(crate) fn options(&self) -> &Options {
+        &self.options
+    }
+
+    pub(crate) fn tool(&self) -> &str {
+        &self.tool
+    }
+
+    pub(crate) fn span(&self) -> &tracing::Span {
+        self.tally.span()
+    }
 }
 
 // The per-tool part. What follows `execute`, `execute_finishing` and `execute_blocking`

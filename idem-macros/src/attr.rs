@@ -42,10 +42,13 @@ pub struct Args {
     pub krate: Option<Path>,
     pub map_error: Option<Path>,
     pub run: Option<Expr>,
+    /// `reconcile = check`: the hook asked what happened to an abandoned call, with the
+    /// option's name for error spans.
+    pub reconcile: Option<(Path, Ident)>,
 }
 
 const OPTIONS: &str = "ttl, lease, wait, max_run, on_cancel, fail_fast, at_most_once, \
-                       cache_errors, name, key, scope, skip, run, map_error, crate";
+                       reconcile, cache_errors, name, key, scope, skip, run, map_error, crate";
 
 impl Parse for Args {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
@@ -141,6 +144,10 @@ impl Parse for Args {
                     input.parse::<Token![=]>()?;
                     args.map_error = Some(input.parse()?);
                 }
+                "reconcile" => {
+                    input.parse::<Token![=]>()?;
+                    args.reconcile = Some((input.parse()?, name.clone()));
+                }
                 _ => {
                     return Err(syn::Error::new(
                         name.span(),
@@ -152,6 +159,14 @@ impl Parse for Args {
                 break;
             }
             input.parse::<Token![,]>()?;
+        }
+        if let (Some((_, option)), false) = (&args.reconcile, args.at_most_once) {
+            return Err(syn::Error::new(
+                option.span(),
+                "`reconcile` asks what happened to a call whose outcome is unknown, and only an \
+                 `at_most_once` tool has such calls (an at-least-once tool runs them again): \
+                 add `at_most_once`",
+            ));
         }
         if let (Some(span), Some(_)) = (args.fail_fast, &args.wait) {
             return Err(syn::Error::new(

@@ -169,6 +169,38 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         }
     };
     let call = quote!(#private::Call::from_args(#run, #name, #options, &[#(#inputs),*], #key));
+    // `reconcile = check`: before the call, an abandoned claim of it is settled by what
+    // `check(&key, &arg, ..)` finds out downstream (every argument but the run, by
+    // reference). Spanned at the hook: a hook of the wrong shape is an error there.
+    let reconciling = private.clone();
+    let reconcile = |output: &Type| match &args.reconcile {
+        None => quote!(),
+        Some((hook, _)) => {
+            let refs = params.iter().filter_map(|p| match p.role {
+                Role::Run { .. } => None,
+                _ => {
+                    let ident = &p.ident;
+                    Some(quote!(&#ident))
+                }
+            });
+            let span = hook.span();
+            quote_spanned! {span=>
+                for _ in 0..3 {
+                    let ::core::option::Option::Some(__idem_abandoned) =
+                        #reconciling::abandoned(&__idem_call).await
+                    else {
+                        break;
+                    };
+                    let __idem_answer = #hook(__idem_abandoned.key(), #(#refs),*).await;
+                    if #reconciling::settle::<#output>(&__idem_call, __idem_abandoned, __idem_answer)
+                        .await
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+    };
 
     // The runtime calls carry bounds on the return type (`Result`, `Serialize`,
     // `From<idem::Error>`): span them at it, so that is where errors point.
@@ -232,9 +264,11 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         let owned = cancel::decide(&func, &block, explicit)?;
         let executed = execute(owned, &mut block, &quote!(#ret), ret.span());
         let body = finish(quote_spanned!(ret.span()=> #executed.await));
+        let reconcile = reconcile(&ret);
         *func.block = syn::parse_quote!({
             #run_source
             let #call_ident = #call;
+            #reconcile
             #body
         });
     } else if boxed_async_block(&mut func.block).is_some() {
@@ -250,9 +284,21 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         let owned = cancel::decide(&signature, &block, explicit)?;
         let executed = execute(owned, &mut block, &quote!(_), Span::call_site());
         let body = finish(quote!(#executed.await));
+        // The hook's answer is the tool's value: name the output the boxed future has.
+        let reconcile = match (&args.reconcile, future_output(&ret)) {
+            (Some((_, option)), None) => {
+                return Err(syn::Error::new_spanned(
+                    option,
+                    "`reconcile` needs the tool's output type, and this function returns a \
+                     boxed future whose `Output` it cannot find",
+                ))
+            }
+            (_, output) => output.map(|output| reconcile(&output)).unwrap_or_default(),
+        };
         inner.stmts = syn::parse_quote!(
             #run_source
             let #call_ident = #call;
+            #reconcile
             #body
         );
     } else {
@@ -261,6 +307,13 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
                 lit,
                 "`on_cancel` is for async tools: a sync tool's body runs on its caller's thread, \
                  and always finishes",
+            ));
+        }
+        if let Some((_, option)) = &args.reconcile {
+            return Err(syn::Error::new_spanned(
+                option,
+                "`reconcile` is for async tools: its hook asks a downstream system, and is \
+                 awaited",
             ));
         }
         let block = &func.block;
@@ -274,6 +327,23 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         });
     }
     Ok(quote!(#func))
+}
+
+/// The `Output = T` of a future type (`Pin<Box<dyn Future<Output = T> + Send>>`,
+/// `impl Future<Output = T>`): what a boxed async function returns.
+fn future_output(ty: &Type) -> Option<Type> {
+    struct Find(Option<Type>);
+    impl<'a> syn::visit::Visit<'a> for Find {
+        fn visit_assoc_type(&mut self, assoc: &'a syn::AssocType) {
+            if self.0.is_none() && assoc.ident == "Output" {
+                self.0 = Some(assoc.ty.clone());
+            }
+            syn::visit::visit_assoc_type(self, assoc);
+        }
+    }
+    let mut find = Find(None);
+    syn::visit::Visit::visit_type(&mut find, ty);
+    find.0
 }
 
 /// `func` with an empty body: its signature, for deciding about a body kept elsewhere.

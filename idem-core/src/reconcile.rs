@@ -1,0 +1,222 @@
+//! Reconciling an unknown outcome: before an at-most-once call answers
+//! [`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown), its tool's reconcile hook
+//! asks the downstream system what happened (a provider's lookup by idempotency key),
+//! and the answer settles the abandoned claim.
+//!
+//! The attribute (`#[idempotent(at_most_once, reconcile = check)]`) generates, in
+//! substance:
+//!
+//! ```text
+//! let call = Call::from_args(..);
+//! for _ in 0..3 {
+//!     let Some(abandoned) = abandoned(&call).await else { break };  // reads the key
+//!     let answer = check(abandoned.key(), &input).await;            // the hook
+//!     if settle(&call, abandoned, answer).await { break }           // one fenced write
+//! }
+//! execute(call, async move { body }).await                          // as without a hook
+//! ```
+//!
+//! The hook runs before the call claims anything, so a caller that drops the call
+//! while the hook runs leaves nothing behind. Its answer settles the abandoned claim
+//! through [`Store::resolve`], fenced by the claim's token and its run-out lease: it
+//! happened, with this value (the value is recorded, and the call replays it, as every
+//! later call does); it never happened (the claim is removed, and the call runs under a
+//! fresh claim); or unknown (nothing changes, and the call answers `OutcomeUnknown`). A
+//! claim that changed since it was read (another caller settled it first) is left to
+//! the call, which finds what is there now.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::Logged;
+use crate::options::Delivery;
+use crate::protocol::{Call, ToolOutput};
+use crate::record::{State, Timestamp, Token};
+use crate::store::{Fenced, Resolution, Store};
+use crate::telemetry::{in_span, store_op};
+use crate::{Error, Key};
+
+/// What a reconcile hook found out downstream about a call whose outcome is unknown
+/// (its process stopped, or its caller dropped it, between claiming the key and
+/// recording an outcome).
+///
+/// ```
+/// use idem_core::{Key, Reconciled};
+/// # struct Charge { amount_cents: u64 }
+/// # #[derive(serde::Serialize)] struct Receipt { id: String }
+/// # async fn lookup(key: &str) -> Result<Option<Receipt>, std::io::Error> { Ok(None) }
+///
+/// /// Asks the provider for a charge made under the call's key.
+/// async fn check_charge(key: &Key, _input: &Charge) -> Reconciled<Receipt> {
+///     match lookup(key.as_str()).await {
+///         Ok(Some(receipt)) => Reconciled::Happened(receipt),
+///         Ok(None) => Reconciled::NeverHappened,
+///         Err(_) => Reconciled::Unknown, // the provider cannot tell now
+///     }
+/// }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reconciled<T> {
+    /// It happened, with this result: the result is recorded and returned, as if the
+    /// call had completed.
+    Happened(T),
+    /// It never happened: the call runs now, under a fresh claim. Answer this only when
+    /// the downstream system is sure (a lookup that found nothing, in a system that
+    /// records every request before acting on it).
+    NeverHappened,
+    /// Still unknown: the call answers [`Error::OutcomeUnknown`], as without a hook.
+    Unknown,
+}
+
+/// An abandoned claim found before a call: what its settling needs.
+pub struct Abandoned {
+    store: Arc<dyn Store>,
+    key: Key,
+    token: Token,
+}
+
+impl Abandoned {
+    /// The call's key, for the hook.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+}
+
+/// The abandoned claim under the call's key, if its tool is at-most-once and the key
+/// holds a claim of this input whose lease has run out (by this process's clock).
+///
+/// A claim whose lease is still running (its process was killed a moment ago, or its
+/// body is running) is watched, as the call would wait for it, within the tool's wait:
+/// if it completes, or the wait would end first, this is `None` and the call answers as
+/// usual; if its lease runs out, it is abandoned. Any other case, a store error
+/// included, is `None`: the call goes on and answers as it would without a hook.
+pub async fn abandoned(call: &Result<Call, Error>) -> Option<Abandoned> {
+    let call = call.as_ref().ok()?;
+    if call.options().delivery != Delivery::AtMostOnce {
+        return None;
+    }
+    let store = call.run().store().ok()?;
+    let key = call.key().clone();
+    let started = Instant::now();
+    let max_wait = call.options().max_wait();
+    loop {
+        let read = store_op(store.name(), "get", store.get(&key)).await;
+        let record = match read {
+            Ok(Some(record)) => record,
+            Ok(None) => return None,
+            Err(error) => {
+                in_span(
+                    call.span(),
+                    || tracing::debug!(%key, error = %Logged(&error), "idem: could not read the key before reconciling; the call goes on"),
+                );
+                return None;
+            }
+        };
+        let State::InProgress { token, lease_until } = record.state else {
+            return None;
+        };
+        if record.fingerprint != *call.fingerprint() {
+            return None;
+        }
+        let left = lease_until.remaining(Timestamp::now());
+        if left.is_zero() {
+            in_span(
+                call.span(),
+                || tracing::info!(tool = %call.tool(), %key, "idem: an earlier call stopped without an outcome; asking the reconcile hook what happened"),
+            );
+            return Some(Abandoned { store, key, token });
+        }
+        // Look again when the lease ends, or sooner, to see a completion early.
+        let next = left.min(WATCH_EVERY) + Duration::from_millis(5);
+        match max_wait {
+            Some(max) if started.elapsed() + next <= max => {}
+            // Fail-fast, or the wait would end first: the call answers as usual.
+            _ => return None,
+        }
+        match Instant::now().checked_add(next) {
+            Some(at) => crate::timer::sleep_until(at).await,
+            None => return None,
+        }
+    }
+}
+
+/// How often a claim whose lease is still running is read again.
+const WATCH_EVERY: Duration = Duration::from_millis(250);
+
+/// Settles `abandoned` by the hook's `answer` (see the module docs). Failures are
+/// logged, and leave the claim as it was: the call then answers `OutcomeUnknown`.
+/// Returns `false` when the claim changed before it could be settled (another caller
+/// settled it, or the store's clock did not yet see its lease run out): look again.
+pub async fn settle<R: ToolOutput>(
+    call: &Result<Call, Error>,
+    abandoned: Abandoned,
+    answer: Reconciled<R::Ok>,
+) -> bool {
+    let Ok(call) = call else { return true };
+    let Abandoned { store, key, token } = abandoned;
+    let log = |f: &dyn Fn()| in_span(call.span(), f);
+    let bytes;
+    let (resolution, what) = match answer {
+        Reconciled::Happened(value) => {
+            bytes = match serde_json::to_vec(&value) {
+                Ok(bytes) if bytes.len() <= store.max_result_bytes() => bytes,
+                Ok(bytes) => {
+                    let (len, max) = (bytes.len(), store.max_result_bytes());
+                    log(
+                        &|| tracing::warn!(%key, len, max, "idem: the reconcile hook's result is larger than the store keeps; the outcome stays unknown"),
+                    );
+                    return true;
+                }
+                Err(error) => {
+                    let error = Error::Output {
+                        key: key.clone(),
+                        source: error,
+                    };
+                    log(
+                        &|| tracing::warn!(%key, error = %Logged(&error), "idem: the reconcile hook's result does not serialize; the outcome stays unknown"),
+                    );
+                    return true;
+                }
+            };
+            let resolution = Resolution::Completed {
+                result: &bytes,
+                ttl: call.options().ttl,
+            };
+            (
+                resolution,
+                "it happened; its result is recorded and replayed",
+            )
+        }
+        Reconciled::NeverHappened => (Resolution::Released, "it never happened; running it now"),
+        Reconciled::Unknown => {
+            log(
+                &|| tracing::warn!(%key, "idem: the reconcile hook cannot tell what happened; the outcome stays unknown"),
+            );
+            return true;
+        }
+    };
+    match store_op(
+        store.name(),
+        "resolve",
+        store.resolve(&key, token, resolution),
+    )
+    .await
+    {
+        Ok(Fenced::Applied) => log(&|| tracing::info!(%key, "idem: reconciled: {what}")),
+        Ok(Fenced::LostLease) => {
+            log(
+                &|| tracing::debug!(%key, "idem: the abandoned claim changed while it was reconciled; looking again"),
+            );
+            // A store whose clock is behind this process's sees the lease run out a
+            // moment later.
+            if let Some(at) = Instant::now().checked_add(Duration::from_millis(20)) {
+                crate::timer::sleep_until(at).await;
+            }
+            return false;
+        }
+        Err(error) => log(
+            &|| tracing::warn!(%key, error = %Logged(&error), "idem: could not record the reconciliation; the outcome stays unknown"),
+        ),
+    }
+    true
+}
