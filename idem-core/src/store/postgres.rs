@@ -258,6 +258,30 @@ const FILLED: &str = "idem: result filled from payload";
 /// longer than an operation's timeout.
 const MIGRATE_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// An index of table `t` (quoted, maybe schema-qualified; `base` its unquoted name):
+/// its name as `CREATE INDEX` takes it, and qualified by the table's schema.
+fn index_name(t: &str, base: &str, suffix: &str) -> (String, String) {
+    let name = format!("\"{base}_{suffix}\"");
+    let qualified = match t.rsplit_once('.') {
+        Some((schema, _)) => format!("{schema}.{name}"),
+        None => name.clone(),
+    };
+    (name, qualified)
+}
+
+/// A migration's connection while it holds the session's advisory lock: dropped
+/// without being let go of (an error, a dropped future), it is closed, not returned
+/// to the pool, so the lock goes with it.
+struct Held(Option<deadpool_postgres::Object>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop(deadpool_postgres::Object::take(client));
+        }
+    }
+}
+
 /// The most rows one statement of a purge deletes: about 0.1 s of work.
 const PURGE_BATCH: i64 = 10_000;
 
@@ -563,8 +587,32 @@ impl PostgresStore {
             .trim_matches('"')
             .to_owned();
         let lock = t.replace('\'', "");
+        let (expires_index, expires_qualified) = index_name(t, &base, "expires_at");
+        let client = self.bounded(self.client()).await?;
+        let has_columns = format!(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute \
+             WHERE attrelid = to_regclass('{t}') AND attname = 'result' AND NOT attisdropped)"
+        );
+        let had_columns = self
+            .bounded(async { client.query_one(&has_columns, &[]).await.map_err(pg_error) })
+            .await?
+            .try_get::<_, bool>(0)
+            .map_err(pg_error)?;
+        // The table, its expiry index, and for a table of idem 0.1 the new columns:
+        // nullable or with a constant default, so adding them rewrites nothing. Each is
+        // made only if missing, checked under the lock: a DDL statement on an existing
+        // table would take a lock that calls queue behind (and that deadlocks with an
+        // index another worker builds concurrently). The lock the columns take is brief,
+        // and given up (the migration fails, to be run again) rather than queue every
+        // call behind a long transaction.
+        let add = COLUMNS_V2
+            .split(",\n")
+            .map(|column| format!("ADD COLUMN IF NOT EXISTS {}", column.trim()))
+            .collect::<Vec<_>>()
+            .join(", ");
         let create = format!(
             "BEGIN;
+             SET LOCAL lock_timeout = '{lock_ms}ms';
              SELECT pg_advisory_xact_lock(hashtext('idem migrate ' || '{lock}'));
              CREATE TABLE IF NOT EXISTS {t} (
                  key          text        PRIMARY KEY,
@@ -577,51 +625,62 @@ impl PostgresStore {
                  expires_at   timestamptz NOT NULL,
                  {COLUMNS_V2}
              );
-             CREATE INDEX IF NOT EXISTS \"{base}_expires_at\" ON {t} (expires_at);
-             COMMIT;"
+             DO $idem$ BEGIN
+                 IF to_regclass('{expires_qualified}') IS NULL THEN
+                     CREATE INDEX {expires_index} ON {t} (expires_at);
+                 END IF;
+                 IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('{t}')
+                                AND attname = 'result' AND NOT attisdropped) THEN
+                     ALTER TABLE {t} {add};
+                 END IF;
+             END $idem$;
+             COMMIT;",
+            lock_ms = self.inner.timeout.as_millis(),
         );
-        let client = self.bounded(self.client()).await?;
         let batch = |sql: String| {
             let client = &client;
             async move { client.batch_execute(&sql).await.map_err(pg_error) }
         };
         net::bounded(STORE, MIGRATE_TIMEOUT, batch(create)).await?;
-        // A table of idem 0.1 gets the new columns: nullable or with a constant
-        // default, so adding them rewrites nothing. The lock it takes is brief, and is
-        // given up (the migration fails, to be run again) rather than queue every call
-        // behind a long transaction.
-        let has_columns = format!(
-            "SELECT EXISTS (SELECT 1 FROM pg_attribute \
-             WHERE attrelid = to_regclass('{t}') AND attname = 'result' AND NOT attisdropped)"
-        );
+        if !had_columns {
+            tracing::info!(table = %t, "idem: the table has the record metadata columns of format 2");
+        }
+        // The listings' indexes and the results of 0.1's rows: one worker at a time
+        // (an index another is building reads as invalid), while the others go on.
+        let locked = format!("SELECT pg_try_advisory_lock(hashtext('idem index ' || '{lock}'))");
         let row = self
-            .bounded(async { client.query_one(&has_columns, &[]).await.map_err(pg_error) })
+            .bounded(async { client.query_one(&locked, &[]).await.map_err(pg_error) })
             .await?;
         if !row.try_get::<_, bool>(0).map_err(pg_error)? {
-            let add = COLUMNS_V2
-                .split(",\n")
-                .map(|column| format!("ADD COLUMN IF NOT EXISTS {}", column.trim()))
-                .collect::<Vec<_>>()
-                .join(", ");
-            let alter = format!(
-                "BEGIN;
-                 SET LOCAL lock_timeout = '{lock_ms}ms';
-                 SELECT pg_advisory_xact_lock(hashtext('idem migrate ' || '{lock}'));
-                 ALTER TABLE {t} {add};
-                 COMMIT;",
-                lock_ms = self.inner.timeout.as_millis(),
-            );
-            net::bounded(STORE, MIGRATE_TIMEOUT, batch(alter)).await?;
-            tracing::info!(table = %t, "idem: added the record metadata columns of format 2 to the table");
+            tracing::debug!(table = %t, "idem: another worker is building the indexes; going on");
+            return Ok(());
         }
-        // The listings' indexes, built without blocking writes. An index a failed build
-        // left invalid is built again.
+        // The lock is the session's: a step that fails or is dropped closes the
+        // connection, which lets it go, rather than return it to the pool held.
+        let mut held = Held(Some(client));
+        let client = held
+            .0
+            .as_ref()
+            .ok_or_else(|| pg_error("no migration connection"))?;
+        self.indexes_and_results(client, &base).await?;
+        let unlock = format!("SELECT pg_advisory_unlock(hashtext('idem index ' || '{lock}'))");
+        self.bounded(async { client.query_one(&unlock, &[]).await.map_err(pg_error) })
+            .await?;
+        held.0 = None;
+        Ok(())
+    }
+
+    /// Builds the listings' indexes without blocking writes (an index a failed build
+    /// left invalid is built again), then fills the results of 0.1's rows.
+    async fn indexes_and_results(
+        &self,
+        client: &deadpool_postgres::Object,
+        base: &str,
+    ) -> Result<(), Error> {
+        let t = &self.inner.table;
+        let batch = |sql: String| async move { client.batch_execute(&sql).await.map_err(pg_error) };
         for (suffix, columns) in INDEXES {
-            let name = format!("\"{base}_{suffix}\"");
-            let qualified = match t.rsplit_once('.') {
-                Some((schema, _)) => format!("{schema}.{name}"),
-                None => name.clone(),
-            };
+            let (name, qualified) = index_name(t, base, suffix);
             let valid = format!(
                 "SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass('{qualified}')"
             );
@@ -646,7 +705,7 @@ impl PostgresStore {
             let build = format!("CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {t} {columns}");
             net::bounded(STORE, MIGRATE_TIMEOUT, batch(build)).await?;
         }
-        self.fill_results(&client).await
+        self.fill_results(client).await
     }
 
     /// Fills `result` for the completed rows of idem 0.1, in batches of a thousand, each
