@@ -6,9 +6,10 @@
 //! Redis prefix. Output is aligned text for people, or JSON with `--json` (one object
 //! per line for listings, so a million records stream). See `docs/operations.md`.
 //!
-//! Exit codes: 0 done; 1 the store failed; 2 bad usage; 3 no such record; 4 refused (the
-//! record is not in a state the command applies to, or eviction was not confirmed);
-//! 5 the sled directory is held by a running process.
+//! Exit codes: 0 done (also when the reader of the output went away, as `| head` does);
+//! 1 the store failed, or the output could not be written; 2 bad usage; 3 no such record
+//! (or no such store); 4 refused (the record is not in a state the command applies to,
+//! or eviction was not confirmed); 5 the sled directory is held by a running process.
 
 mod output;
 
@@ -17,7 +18,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 use idem_core::store::{Filter, Record, Resolution, State, StateKind, Timestamp};
 use idem_core::{Error, Key, PostgresStore, RedisStore, SledStore, Store};
 
@@ -79,18 +80,16 @@ enum Command {
         #[arg(long, short)]
         yes: bool,
     },
-    /// Settle a call whose outcome is unknown (an abandoned claim).
+    /// Settle a call whose outcome is unknown (an abandoned claim): --completed JSON or
+    /// --release.
+    #[command(group(ArgGroup::new("how").required(true).args(["completed", "release"])))]
     Resolve {
         /// The record's key.
         key: String,
-        /// It happened, with this result (JSON, as the tool returns it): the next call
+        /// It happened, with this result: the JSON the tool's `Ok` value serializes to
+        /// (a retry that cannot read it as that type gets `StoredResult`). The next call
         /// replays it.
-        #[arg(
-            long,
-            value_name = "JSON",
-            conflicts_with = "release",
-            required_unless_present = "release"
-        )]
+        #[arg(long, value_name = "JSON")]
         completed: Option<String>,
         /// It never happened: remove the claim, so the next call runs.
         #[arg(long)]
@@ -141,7 +140,10 @@ impl FilterArgs {
 /// How a command ended, as an exit code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Exit {
+    /// The reader of the output went away (`| head`): stop, quietly.
+    Closed = 0,
     Failed = 1,
+    Usage = 2,
     NotFound = 3,
     Refused = 4,
     Busy = 5,
@@ -153,6 +155,15 @@ struct Failure(Exit, String);
 impl From<Error> for Failure {
     fn from(error: Error) -> Self {
         let mut text = error.to_string();
+        if text.contains("SQLSTATE 42P01") {
+            return Failure(
+                Exit::NotFound,
+                format!(
+                    "{text}\n  The table does not exist in this database: check --table; \
+                     workers create it (PostgresStore::connect runs migrate)"
+                ),
+            );
+        }
         let mut source = std::error::Error::source(&error);
         while let Some(cause) = source {
             let cause_text = cause.to_string();
@@ -180,6 +191,7 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(Exit::Closed, _)) => ExitCode::SUCCESS,
         Err(Failure(exit, message)) => {
             eprintln!("error: {message}");
             ExitCode::from(exit as u8)
@@ -194,29 +206,34 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Ls { filter, limit } => ls(&*store, &filter.filter(), limit, &out).await,
         Command::Show { key } => {
             let (key, record) = find(&*store, &key).await?;
-            out.record(&key, &record, Timestamp::now());
-            Ok(())
+            emit(&out.record(&key, &record, Timestamp::now()))
         }
         Command::Stats { filter } => {
             let counts = store.count(&filter.filter()).await?;
-            out.counts(&counts);
-            Ok(())
+            emit(&out.counts(&counts))
         }
         Command::Evict {
             key: Some(key),
             yes,
             ..
         } => {
-            let (key, record) = find(&*store, &key).await?;
-            let state = StateKind::of(&record, Timestamp::now());
-            let question = format!(
-                "Evict {key} ({state}{})? The next call with its input runs again.",
-                output::whose(&record)
-            );
+            let key = Key::from_text(key);
+            let question = match store.get(&key).await {
+                Ok(Some(record)) => format!(
+                    "Evict {key} ({}{})? The next call with its input runs again.",
+                    StateKind::of(&record, Timestamp::now()),
+                    output::whose(&record)
+                ),
+                Ok(None) => return Err(not_found(&key)),
+                // What cannot be read can still be removed.
+                Err(e @ (Error::CorruptRecord { .. } | Error::UnsupportedFormat { .. })) => {
+                    format!("Evict {key}? It holds a value this build cannot read: {e}")
+                }
+                Err(e) => return Err(e.into()),
+            };
             confirm(yes, &question)?;
             let removed = store.delete(&key).await?;
-            out.done(&format!("evicted {key}"), u64::from(removed));
-            Ok(())
+            emit(&out.done(&format!("evicted {key}"), u64::from(removed)))
         }
         Command::Evict {
             run, tenant, yes, ..
@@ -226,19 +243,19 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 tenant,
                 ..Filter::default()
             };
-            let n = store.count(&filter).await?.total();
+            let counts = store.count(&filter).await?;
+            // Unreadable values match no run.
+            let n = counts.total() - counts.unreadable;
             if n == 0 {
-                out.done("nothing to evict", 0);
-                return Ok(());
+                return emit(&out.done("nothing to evict", 0));
             }
-            let run = run.unwrap_or_default();
+            let run = output::clean(&run.unwrap_or_default());
             confirm(
                 yes,
                 &format!("Evict the {n} records of run {run}? Its calls run again when retried."),
             )?;
             let removed = store.delete_matching(&filter).await?;
-            out.done(&format!("evicted {removed} records of run {run}"), removed);
-            Ok(())
+            emit(&out.done(&format!("evicted {removed} records of run {run}"), removed))
         }
         Command::Resolve {
             key,
@@ -248,8 +265,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         } => resolve(&*store, &key, completed, release, ttl, &out).await,
         Command::Purge => {
             let removed = store.purge_expired().await?;
-            out.done(&format!("removed {removed} expired records"), removed);
-            Ok(())
+            emit(&out.done(&format!("removed {removed} expired records"), removed))
         }
     }
 }
@@ -266,18 +282,21 @@ async fn open(cli: &Cli) -> Result<Arc<dyn Store>, Failure> {
             builder = builder.table(table);
         }
         // No migration: an operator's look changes nothing (and may be read-only).
-        return Ok(Arc::new(builder.build()?));
+        return builder
+            .build()
+            .map(|store| Arc::new(store) as Arc<dyn Store>)
+            .map_err(usage);
     }
     if spec.starts_with("redis://") || spec.starts_with("rediss://") {
         let mut builder = RedisStore::builder(&spec);
         if let Some(prefix) = &cli.prefix {
             builder = builder.prefix(prefix);
         }
-        return Ok(Arc::new(builder.connect().await?));
+        return Ok(Arc::new(builder.connect().await.map_err(usage)?));
     }
     let Some(path) = spec.strip_prefix("sled:") else {
         return Err(Failure(
-            Exit::Failed,
+            Exit::Usage,
             format!("unknown store `{spec}`: use sled:PATH, postgres://... or redis://..."),
         ));
     };
@@ -295,7 +314,8 @@ async fn open(cli: &Cli) -> Result<Arc<dyn Store>, Failure> {
             format!(
                 "the sled store in `{path}` is open in a running process (an agent): sled lets \
                  one process open a directory at a time.\n  To look now, copy it and look at the \
-                 copy: cp -r {path} /tmp/idem-copy && idem --store sled:/tmp/idem-copy ls\n  \
+                 copy: rm -rf /tmp/idem-copy && cp -r {path} /tmp/idem-copy && idem --store \
+                 sled:/tmp/idem-copy ls\n  \
                  To change records (evict, resolve), stop the agent first, or run it on the \
                  Postgres or Redis store."
             ),
@@ -316,14 +336,54 @@ fn held_elsewhere(error: &Error) -> bool {
     false
 }
 
+/// A store's error on opening: a bad setting (an invalid table name, a URL that does
+/// not parse) is bad usage; anything else, a failure.
+fn usage(error: Error) -> Failure {
+    let text = error.to_string();
+    let bad_setting = [
+        "invalid table name",
+        "invalid connection URL",
+        "InvalidClientConfig",
+    ]
+    .iter()
+    .any(|s| text.contains(s));
+    match bad_setting {
+        true => Failure(Exit::Usage, text),
+        false => error.into(),
+    }
+}
+
 /// The live record under `key`, or the "not found" failure.
 async fn find(store: &dyn Store, key: &str) -> Result<(Key, Record), Failure> {
     let key = Key::from_text(key);
     match store.get(&key).await? {
         Some(record) => Ok((key, record)),
-        None => Err(Failure(
-            Exit::NotFound,
-            format!("no record under `{key}` (it may have expired)"),
+        None => Err(not_found(&key)),
+    }
+}
+
+fn not_found(key: &Key) -> Failure {
+    Failure(
+        Exit::NotFound,
+        format!("no record under `{key}` (it may have expired)"),
+    )
+}
+
+/// Writes `text` to stdout. A reader that went away ends the command quietly; any other
+/// failure to write is one.
+fn emit(text: &str) -> Result<(), Failure> {
+    write_to(&mut std::io::stdout().lock(), text)
+}
+
+fn write_to(out: &mut impl Write, text: &str) -> Result<(), Failure> {
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            Err(Failure(Exit::Closed, String::new()))
+        }
+        Err(e) => Err(Failure(
+            Exit::Failed,
+            format!("cannot write the output: {e}"),
         )),
     }
 }
@@ -362,22 +422,29 @@ async fn ls(
 ) -> Result<(), Failure> {
     let (mut after, mut shown) = (None, 0u64);
     let mut stdout = std::io::stdout().lock();
-    out.list_header(&mut stdout);
+    write_to(&mut stdout, &out.list_header())?;
     loop {
         let page = store.list(filter, after.as_ref(), 1_000).await?;
+        for unreadable in &page.unreadable {
+            let key = output::clean(unreadable.key.as_str());
+            eprintln!(
+                "warning: `{key}` holds a value this build cannot read ({}); \
+                 `idem evict {key} --yes` removes it",
+                unreadable.error
+            );
+        }
+        let mut text = String::new();
         for listed in &page.records {
             if limit.is_some_and(|limit| shown >= limit) {
-                return Ok(());
+                break;
             }
-            if !out.list_row(&mut stdout, &listed.key, &listed.record, page.now) {
-                // The reader went away (`| head`): stop quietly.
-                return Ok(());
-            }
+            text += &out.list_row(&listed.key, &listed.record, page.now);
             shown += 1;
         }
+        write_to(&mut stdout, &text)?;
         match page.next {
-            Some(next) => after = Some(next),
-            None => return Ok(()),
+            Some(next) if limit.is_none_or(|limit| shown < limit) => after = Some(next),
+            _ => return Ok(()),
         }
     }
 }
@@ -406,8 +473,8 @@ async fn resolve(
         return Err(Failure(
             Exit::Refused,
             format!(
-                "`{key}` is running: its call holds it for {} more (or until its process is \
-                 seen to be gone); resolve it once it is abandoned",
+                "`{key}` is running: its call holds it for {} more (its lease, renewed while \
+                 its process lives); resolve it once it is abandoned",
                 humantime::format_duration(Duration::from_secs(
                     lease_until.remaining(now).as_secs()
                 ))
@@ -420,7 +487,7 @@ async fn resolve(
             text = json.trim().to_owned();
             if let Err(e) = serde_json::from_str::<serde_json::Value>(&text) {
                 return Err(Failure(
-                    Exit::Failed,
+                    Exit::Usage,
                     format!("--completed is not JSON: {e}"),
                 ));
             }
@@ -441,8 +508,7 @@ async fn resolve(
     };
     match store.resolve(&key, token, resolution).await? {
         idem_core::store::Fenced::Applied => {
-            out.done(&format!("resolved {key} as {what}"), 1);
-            Ok(())
+            emit(&out.done(&format!("resolved {key} as {what}"), 1))
         }
         idem_core::store::Fenced::LostLease => Err(Failure(
             Exit::Refused,

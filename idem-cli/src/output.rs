@@ -1,6 +1,7 @@
-//! What `idem` prints: aligned text for people, JSON for scripts.
+//! What `idem` prints: aligned text for people, JSON for scripts. Each function returns
+//! the text; the caller writes it (and decides what a failed write means).
 
-use std::io::Write;
+use std::fmt::Write as _;
 
 use idem_core::store::{Counts, Record, State, StateKind, Timestamp};
 use idem_core::Key;
@@ -25,43 +26,35 @@ impl Output {
         Output { json }
     }
 
-    pub(crate) fn list_header(&self, out: &mut impl Write) {
-        if !self.json {
-            let _ = writeln!(
-                out,
-                "{:STATE$}  {:>ATTEMPTS$}  {:CLAIMED$}  {:TOOL$}  {:RUN$}  KEY",
-                "STATE", "TRY", "CLAIMED (UTC)", "TOOL", "RUN"
-            );
+    /// The listing's header line (none for JSON).
+    pub(crate) fn list_header(&self) -> String {
+        if self.json {
+            return String::new();
         }
+        format!(
+            "{:STATE$}  {:>ATTEMPTS$}  {:CLAIMED$}  {:TOOL$}  {:RUN$}  KEY\n",
+            "STATE", "TRY", "CLAIMED (UTC)", "TOOL", "RUN"
+        )
     }
 
-    /// One row of a listing; `false` once the reader has gone.
-    pub(crate) fn list_row(
-        &self,
-        out: &mut impl Write,
-        key: &Key,
-        record: &Record,
-        now: Timestamp,
-    ) -> bool {
-        let written = if self.json {
-            writeln!(out, "{}", summary(key, record, now))
-        } else {
-            let origin = record.meta.origin.as_ref();
-            writeln!(
-                out,
-                "{:STATE$}  {:>ATTEMPTS$}  {:CLAIMED$}  {:TOOL$}  {:RUN$}  {key}",
-                StateKind::of(record, now).as_str(),
-                record.meta.attempts,
-                time(record.meta.claimed_at),
-                clip(origin.map_or(key.label().unwrap_or("-"), |o| &o.tool), TOOL),
-                clip(origin.map_or("-", |o| &o.run_id), RUN),
-            )
-        };
-        written.is_ok()
+    /// One line of a listing.
+    pub(crate) fn list_row(&self, key: &Key, record: &Record, now: Timestamp) -> String {
+        if self.json {
+            return format!("{}\n", summary(key, record, now));
+        }
+        let origin = record.meta.origin.as_ref();
+        format!(
+            "{:STATE$}  {:>ATTEMPTS$}  {:CLAIMED$}  {:TOOL$}  {:RUN$}  {key}\n",
+            StateKind::of(record, now).as_str(),
+            record.meta.attempts,
+            time(record.meta.claimed_at),
+            clip(origin.map_or(key.label().unwrap_or("-"), |o| &o.tool), TOOL),
+            clip(origin.map_or("-", |o| &o.run_id), RUN),
+        )
     }
 
     /// One record in full, its result included.
-    pub(crate) fn record(&self, key: &Key, record: &Record, now: Timestamp) {
+    pub(crate) fn record(&self, key: &Key, record: &Record, now: Timestamp) -> String {
         let mut value = summary(key, record, now);
         let (label, payload) = match &record.state {
             State::Completed { result } => ("result", Some(result)),
@@ -75,8 +68,7 @@ impl Output {
         value["fingerprint"] = json!(hex(record.fingerprint.as_bytes()));
         value[label] = payload.clone().unwrap_or(Value::Null);
         if self.json {
-            println!("{value}");
-            return;
+            return format!("{value}\n");
         }
         let origin = record.meta.origin.as_ref();
         let state = StateKind::of(record, now);
@@ -90,7 +82,7 @@ impl Output {
             state_text += &format!(" ({verb} {})", time(lease_until));
         }
         let opt = |t: Option<Timestamp>| t.map_or("-".to_owned(), time);
-        let part = |p: Option<&str>| p.unwrap_or("-").to_owned();
+        let part = |p: Option<&str>| p.map_or("-".to_owned(), clean);
         let rows = [
             ("key", key.to_string()),
             ("state", state_text),
@@ -111,46 +103,51 @@ impl Output {
             ),
             ("fingerprint", hex(record.fingerprint.as_bytes())),
         ];
+        let mut out = String::new();
         for (name, value) in rows {
-            println!("{name:12} {value}");
+            let _ = writeln!(out, "{name:12} {value}");
         }
         match payload {
             Some(payload) => {
                 let pretty = serde_json::to_string_pretty(&payload).unwrap_or_default();
-                println!("{label}:");
+                let _ = writeln!(out, "{label}:");
                 for line in pretty.lines() {
-                    println!("  {line}");
+                    let _ = writeln!(out, "  {}", clean(line));
                 }
             }
-            None => println!("{label:12} - (no outcome yet)"),
+            None => {
+                let _ = writeln!(out, "{label:12} - (no outcome yet)");
+            }
         }
         if origin.is_none() {
-            println!("(written by idem 0.1: no run, tenant or call id was kept)");
+            out += "(written by idem 0.1: no run, tenant or call id was kept)\n";
         }
+        out
     }
 
-    pub(crate) fn counts(&self, counts: &Counts) {
+    pub(crate) fn counts(&self, counts: &Counts) -> String {
         if self.json {
-            let mut value = json!({ "total": counts.total() });
+            let mut value = json!({ "total": counts.total(), "unreadable": counts.unreadable });
             for state in StateKind::ALL {
                 value[state.as_str()] = json!(counts.get(state));
             }
-            println!("{value}");
-            return;
+            return format!("{value}\n");
         }
-        println!("{:10} {:>10}", "STATE", "RECORDS");
+        let mut out = format!("{:10} {:>10}\n", "STATE", "RECORDS");
         for state in StateKind::ALL {
-            println!("{:10} {:>10}", state.as_str(), counts.get(state));
+            let _ = writeln!(out, "{:10} {:>10}", state.as_str(), counts.get(state));
         }
-        println!("{:10} {:>10}", "total", counts.total());
+        let _ = writeln!(out, "{:10} {:>10}", "unreadable", counts.unreadable);
+        let _ = writeln!(out, "{:10} {:>10}", "total", counts.total());
+        out
     }
 
     /// A change made: `what` for people, `{"done": what, "count": n}` for scripts.
-    pub(crate) fn done(&self, what: &str, count: u64) {
+    pub(crate) fn done(&self, what: &str, count: u64) -> String {
         if self.json {
-            println!("{}", json!({ "done": what, "count": count }));
+            format!("{}\n", json!({ "done": what, "count": count }))
         } else {
-            println!("{what}");
+            format!("{what}\n")
         }
     }
 }
@@ -180,10 +177,27 @@ fn summary(key: &Key, record: &Record, now: Timestamp) -> Value {
     })
 }
 
-/// `text` cut to `width` characters, the cut marked with `…`.
+/// `text` for a terminal: control characters (a newline, a tab, an escape sequence an
+/// agent put in a run id) written as escapes, so they cannot break a row or steer the
+/// operator's terminal.
+pub(crate) fn clean(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `text` cleaned and cut to `width` characters, the cut marked with `…`. (Characters,
+/// not terminal cells: a wide character takes two, and shifts the row.)
 fn clip(text: &str, width: usize) -> String {
+    let text = clean(text);
     if text.chars().count() <= width {
-        return text.to_owned();
+        return text;
     }
     let mut out: String = text.chars().take(width - 1).collect();
     out.push('…');
@@ -197,7 +211,7 @@ fn hex(bytes: &[u8]) -> String {
 /// Who made the record, for a question: `, tool send_email, run r-1`.
 pub(crate) fn whose(record: &Record) -> String {
     match &record.meta.origin {
-        Some(o) => format!(", tool {}, run {}", o.tool, o.run_id),
+        Some(o) => format!(", tool {}, run {}", clean(&o.tool), clean(&o.run_id)),
         None => String::new(),
     }
 }

@@ -243,7 +243,7 @@ where
     let stats: Value = serde_json::from_str(&ok(args, &["stats", "--json", "--run", r1])).unwrap();
     assert_eq!(
         stats,
-        serde_json::json!({"running": 1, "abandoned": 2, "completed": 3, "failed": 1, "total": 7})
+        serde_json::json!({"running": 1, "abandoned": 2, "completed": 3, "failed": 1, "unreadable": 0, "total": 7})
     );
     assert!(ok(args, &["stats", "--run", r1]).contains("abandoned           2"));
 
@@ -279,7 +279,9 @@ where
             "{oops",
         ],
     );
-    assert!(code == 1 && err.contains("not JSON"), "{code} {err}");
+    assert!(code == 2 && err.contains("not JSON"), "{code} {err}");
+    let (code, _, err) = run(args, &["resolve", made.abandoned[0].as_str()]);
+    assert!(code == 2 && err.contains("--release"), "{code} {err}");
     ok(
         args,
         &[
@@ -453,7 +455,7 @@ fn no_store_and_a_bad_store_are_errors_that_say_so() {
     );
     let args = vec!["--store".to_owned(), "mysql://x".to_owned()];
     let (code, _, err) = run(&args, &["ls"]);
-    assert!(code == 1 && err.contains("unknown store"), "{code} {err}");
+    assert!(code == 2 && err.contains("unknown store"), "{code} {err}");
     let args = vec!["--store".to_owned(), "redis://127.0.0.1:1".to_owned()];
     let (code, _, err) = run(&args, &["stats"]);
     assert!(code == 1 && err.contains("redis"), "{code} {err}");
@@ -604,4 +606,86 @@ async fn drop_table(url: &str, table: &str) {
             .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
             .await;
     }
+}
+
+/// What a store holds that is not a record (another program's value, a damaged one)
+/// is reported, not fatal: the listing goes on, `stats` counts it, `evict` removes it.
+/// Text an agent chose (a run id with a newline, an escape sequence) cannot break a row
+/// or reach the terminal raw. Output that cannot be written is an error, a reader that
+/// went away is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_values_odd_text_and_closed_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let odd_run = "run\n\u{1b}[31mred\tx";
+    {
+        let store = SledStore::open(dir.path()).unwrap();
+        fill(&store, odd_run, "r2").await;
+    }
+    {
+        let db = sled::open(dir.path()).unwrap();
+        let tree = db.open_tree(SledStore::TREE).unwrap();
+        tree.insert("foreign.key", &b"not a record"[..]).unwrap();
+        db.flush().unwrap();
+    }
+    let args = vec![
+        "--store".to_owned(),
+        format!("sled:{}", dir.path().display()),
+    ];
+    let (code, out, err) = run(&args, &["ls"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 1 + 9, "{out}");
+    assert!(
+        err.contains("foreign.key") && err.contains("evict"),
+        "{err}"
+    );
+    assert!(
+        !out.contains('\u{1b}') && out.contains("run\\n\\u{1b}[31mred\\tx"),
+        "{out}"
+    );
+    let stats: Value = serde_json::from_str(&ok(&args, &["stats", "--json"])).unwrap();
+    assert_eq!(
+        (stats["unreadable"].as_u64(), stats["total"].as_u64()),
+        (Some(1), Some(10))
+    );
+    // Only the records of the run, by its exact id.
+    assert_eq!(
+        json_lines(&ok(&args, &["ls", "--json", "--run", odd_run])).len(),
+        7
+    );
+    ok(&args, &["evict", "foreign.key", "--yes"]);
+    let (_, _, err) = run(&args, &["ls"]);
+    assert!(!err.contains("foreign.key"), "{err}");
+    // A full disk is an error; a reader that stops reading is not.
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let status = std::process::Command::new(assert_cmd::cargo::cargo_bin("idem"))
+        .args(&args)
+        .args(["stats"])
+        .stdout(full)
+        .output()
+        .unwrap();
+    assert_eq!(
+        status.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("idem"))
+        .args(&args)
+        .args(["ls"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let output = child.wait_with_output().unwrap();
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!String::from_utf8_lossy(&output.stderr).contains("panicked"));
 }

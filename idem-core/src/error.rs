@@ -77,14 +77,16 @@ pub enum Error {
     /// and the tool is at-most-once: it is unknown whether the side effect happened, so it
     /// is not run again. The earlier call's process died (its lease ran out), or, in a live
     /// process, the call was cancelled, panicked or was stopped at its `max_run`. Check the
-    /// downstream system, then remove the record (`Store::delete`) to allow a new attempt;
-    /// otherwise this answer stands until the record expires.
+    /// downstream system, then settle the record: `idem resolve KEY --completed JSON` (it
+    /// happened: every call replays that result) or `idem resolve KEY --release` (it did
+    /// not: the next call runs), or `Store::resolve` in code; a `reconcile` hook on the tool
+    /// does this before answering. Otherwise this answer stands until the record expires.
     #[error(
         "outcome unknown for key `{key}`: an earlier call claimed it and stopped without \
          recording an outcome (its process died, or it was cancelled, panicked or stopped at \
          its max_run); the tool is at-most-once, so it is not run again: check the downstream \
-         system, then delete the record to allow a new attempt (otherwise this answer stands \
-         for {expires_in}, until the record expires)",
+         system, then settle the record (`idem resolve {key} --completed JSON` if it happened, \
+         `--release` if not), or this answer stands for {expires_in}, until the record expires",
         expires_in = Human(*expires_in)
     )]
     OutcomeUnknown {

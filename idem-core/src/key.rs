@@ -283,6 +283,13 @@ impl Key {
         Ok(Key::of(parts.tool, &Fingerprint::of(parts, key_input)?))
     }
 
+    /// The label keys of `tool` carry ([`Key::label`]): its name shortened and with
+    /// odd characters replaced, as [`Key::of`] writes it.
+    pub fn label_of(tool: &str) -> String {
+        let key = Key::of(tool, &Fingerprint::from_bytes([0; 32]));
+        key.label().unwrap_or_default().to_owned()
+    }
+
     /// The key whose digest is `fingerprint`, labelled with `tool`: the text form of
     /// the fingerprint of a call's key input.
     pub fn of(tool: &str, fingerprint: &Fingerprint) -> Key {

@@ -8,7 +8,7 @@
 //!
 //! ```text
 //! let call = Call::from_args(..);
-//! for _ in 0..3 {
+//! for _ in 0..20 {
 //!     let Some(abandoned) = abandoned(&call).await else { break };  // reads the key
 //!     let answer = check(abandoned.key(), &input).await;            // the hook
 //!     if settle(&call, abandoned, answer).await { break }           // one fenced write
@@ -62,7 +62,12 @@ pub enum Reconciled<T> {
     Happened(T),
     /// It never happened: the call runs now, under a fresh claim. Answer this only when
     /// the downstream system is sure (a lookup that found nothing, in a system that
-    /// records every request before acting on it).
+    /// records every request before acting on it) **and** the earlier call cannot still
+    /// act: a lease that ran out proves only that its owner stopped renewing, and a
+    /// process paused past it (SIGSTOP, a frozen VM) that resumes goes on with its body.
+    /// So pair it with a downstream that deduplicates by the key the tool forwards
+    /// ([`current_key`](crate::current_key)): that late request then changes nothing.
+    /// Without one, answer [`Reconciled::Unknown`] rather than guess.
     NeverHappened,
     /// Still unknown: the call answers [`Error::OutcomeUnknown`], as without a hook.
     Unknown,
@@ -208,8 +213,8 @@ pub async fn settle<R: ToolOutput>(
                 &|| tracing::debug!(%key, "idem: the abandoned claim changed while it was reconciled; looking again"),
             );
             // A store whose clock is behind this process's sees the lease run out a
-            // moment later.
-            if let Some(at) = Instant::now().checked_add(Duration::from_millis(20)) {
+            // moment later (the attribute looks again up to 20 times: a second).
+            if let Some(at) = Instant::now().checked_add(Duration::from_millis(50)) {
                 crate::timer::sleep_until(at).await;
             }
             return false;

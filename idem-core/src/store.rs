@@ -207,6 +207,7 @@ pub trait Store: Send + Sync + 'static {
             for listed in &page.records {
                 counts.add(StateKind::of(&listed.record, page.now));
             }
+            counts.unreadable += page.unreadable.len() as u64;
             match page.next {
                 Some(next) => after = Some(next),
                 None => return Ok(counts),
@@ -215,8 +216,9 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Removes every live record that matches `filter`, whatever its state (a call
-    /// running under one loses its lease); returns how many were removed. The default
-    /// walks [`Store::list`] and deletes each record with [`Store::delete`].
+    /// running under one loses its lease); returns how many were removed. A value the
+    /// store cannot read matches no filter, and stays. The default walks
+    /// [`Store::list`] and deletes each record with [`Store::delete`].
     async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
         let (mut removed, mut after) = (0, None);
         loop {
@@ -630,18 +632,21 @@ pub struct Filter {
 
 impl Filter {
     /// Whether `record` matches, at `now`. A record without an origin (format 1)
-    /// matches no run, tenant or tool condition, except the tool its key names.
+    /// matches no run or tenant condition, and the tool its key's label names.
     pub fn matches(&self, key: &Key, record: &Record, now: Timestamp) -> bool {
         let origin = record.meta.origin.as_ref();
         let is = |want: &Option<String>, have: Option<&str>| {
             want.as_deref().is_none_or(|want| have == Some(want))
         };
+        let tool = || match (origin, &self.tool) {
+            (Some(o), Some(want)) => *o.tool == **want,
+            // A record of format 1: its key's label names the tool.
+            (None, Some(want)) => key.label() == Some(&Key::label_of(want)),
+            (_, None) => true,
+        };
         is(&self.run_id, origin.map(|o| &*o.run_id))
             && is(&self.tenant, origin.and_then(|o| o.tenant.as_deref()))
-            && is(
-                &self.tool,
-                origin.map_or_else(|| key.label(), |o| Some(&o.tool)),
-            )
+            && tool()
             && self
                 .state
                 .is_none_or(|state| StateKind::of(record, now) == state)
@@ -661,10 +666,14 @@ impl Filter {
 pub struct Cursor(pub String);
 
 /// One page of a listing ([`Store::list`]).
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct Page {
     /// The records, with their keys.
     pub records: Vec<Listed>,
+    /// Keys on the page whose values this build cannot read (another program's key, a
+    /// damaged record, a format from a newer idem), whatever the filter: an operator
+    /// wants to know of them, and [`Store::delete`] removes them.
+    pub unreadable: Vec<Unreadable>,
     /// Where the next page starts; `None` after the last page.
     pub next: Option<Cursor>,
     /// The store's clock when the page was read: the time to read leases by.
@@ -680,6 +689,15 @@ pub struct Listed {
     pub record: Record,
 }
 
+/// A key a listing found but could not read.
+#[derive(Debug)]
+pub struct Unreadable {
+    /// Its key.
+    pub key: Key,
+    /// Why it cannot be read ([`Error::CorruptRecord`], [`Error::UnsupportedFormat`]).
+    pub error: Error,
+}
+
 /// How many records are in each state ([`Store::count`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts {
@@ -691,6 +709,9 @@ pub struct Counts {
     pub completed: u64,
     /// Cached errors.
     pub failed: u64,
+    /// Values that are not records this build reads (see [`Page::unreadable`]); a
+    /// store that counts without reading values (Postgres) counts none.
+    pub unreadable: u64,
 }
 
 impl Counts {
@@ -718,9 +739,9 @@ impl Counts {
         }
     }
 
-    /// All records.
+    /// All records, the unreadable ones included.
     pub fn total(&self) -> u64 {
-        self.running + self.abandoned + self.completed + self.failed
+        self.running + self.abandoned + self.completed + self.failed + self.unreadable
     }
 }
 
@@ -729,9 +750,10 @@ const WALK_PAGE: usize = 1_000;
 
 /// A page of `limit` records from a sorted stream of keyed records, starting after the
 /// key in `after`: the listing of a store whose keys are in order (the cursor is the
-/// last key listed). `records` yields every live record in key order, from `after`.
+/// last key listed). `entries` yields every live key in key order, from `after`, with
+/// its record or the reason it cannot be read; an `Err` item fails the page.
 pub(crate) fn page_by_key(
-    records: impl Iterator<Item = Result<Listed, Error>>,
+    entries: impl Iterator<Item = Result<(Key, Result<Record, Error>), Error>>,
     filter: &Filter,
     limit: usize,
     now: Timestamp,
@@ -741,17 +763,20 @@ pub(crate) fn page_by_key(
         now,
         ..Page::default()
     };
-    for listed in records {
-        let listed = listed?;
-        if page.records.len() == limit {
-            page.next = page
-                .records
-                .last()
-                .map(|l| Cursor(l.key.as_str().to_owned()));
+    let mut last = None;
+    for entry in entries {
+        let (key, record) = entry?;
+        if page.records.len() + page.unreadable.len() == limit {
+            page.next = last.map(|k: Key| Cursor(k.as_str().to_owned()));
             break;
         }
-        if filter.matches(&listed.key, &listed.record, now) {
-            page.records.push(listed);
+        last = Some(key.clone());
+        match record {
+            Ok(record) if filter.matches(&key, &record, now) => {
+                page.records.push(Listed { key, record })
+            }
+            Ok(_) => {}
+            Err(error) => page.unreadable.push(Unreadable { key, error }),
         }
     }
     Ok(page)

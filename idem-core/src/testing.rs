@@ -1045,6 +1045,7 @@ pub async fn listings_filter_and_page(store: &dyn Store) {
         abandoned: 2,
         completed: 9,
         failed: 2,
+        unreadable: 0,
     };
     check!(name, counts == want, "counted {counts:?}");
 }

@@ -206,7 +206,9 @@ async fn postgres_migrate_upgrades_a_table_of_0_1_in_place_while_0_1_workers_cal
              INSERT INTO {t} VALUES ('charge_card.2', decode(repeat('07', 32), 'hex'), 0, \
                  decode(repeat('ab', 16), 'hex'), now() + interval '1 hour', NULL, now(), now() + interval '2 hours');
              INSERT INTO {t} VALUES ('charge_card.3', decode(repeat('07', 32), 'hex'), 1, \
-                 decode(repeat('00', 16), 'hex'), NULL, convert_to('\"a\\u0000b\"', 'UTF8'), now(), now() + interval '1 hour');"
+                 decode(repeat('00', 16), 'hex'), NULL, convert_to('\"a\\u0000b\"', 'UTF8'), now(), now() + interval '1 hour');
+             INSERT INTO {t} VALUES ('charge_card.4', decode(repeat('07', 32), 'hex'), 1, \
+                 decode(repeat('00', 16), 'hex'), NULL, convert_to('{{\"rate\":1e999999}}', 'UTF8'), now(), now() + interval '1 hour');"
         ))
         .await
         .unwrap();
@@ -294,7 +296,7 @@ async fn postgres_migrate_upgrades_a_table_of_0_1_in_place_while_0_1_workers_cal
         .await
         .unwrap()
         .get(0);
-    assert_eq!(unfilled, 1, "only the result jsonb refuses stays NULL");
+    assert_eq!(unfilled, 2, "only the results jsonb refuses stay NULL");
     let id: String = client
         .query_one(
             &format!("SELECT result->>'message_id' FROM {t} WHERE key = 'send_email.' || lpad(to_hex(777), 64, '0')"),
@@ -343,8 +345,8 @@ async fn postgres_migrate_upgrades_a_table_of_0_1_in_place_while_0_1_workers_cal
         .get(0);
     assert_eq!(
         (invalid, indexes),
-        (0, 5),
-        "the primary key, expiry, run, tool and in-progress indexes"
+        (0, 6),
+        "the primary key, expiry, run, tool, in-progress and unfilled indexes"
     );
 
     // A call replays the 0.1 record; the operator's views work on the migrated table.
@@ -352,7 +354,7 @@ async fn postgres_migrate_upgrades_a_table_of_0_1_in_place_while_0_1_workers_cal
     let run = run.with_shared_store(store.clone());
     old_records_replay_and_list(store.clone(), &run).await;
     let counts = store.count(&Filter::default()).await.unwrap();
-    assert_eq!(counts.completed, 20_003, "{counts:?}");
+    assert_eq!(counts.completed, 20_004, "{counts:?}");
     assert_eq!(counts.failed, 1, "{counts:?}");
 
     // Migrating again finds nothing to do, quickly.
@@ -421,7 +423,76 @@ async fn postgres_workers_starting_together_migrate_a_table_of_0_1_once() {
         )
         .await
         .unwrap();
-    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (5, 0));
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (6, 0));
+    client
+        .batch_execute(&format!("DROP TABLE {t}"))
+        .await
+        .unwrap();
+}
+
+/// A result `jsonb` refuses (a `\u0000` escape, a number beyond `numeric`) is still
+/// recorded and replayed byte for byte; only its `result` column stays NULL. A result
+/// that failed the completion would make every retry run the body again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_records_results_jsonb_refuses() {
+    let Some(url) = env("IDEM_POSTGRES_URL") else {
+        return;
+    };
+    let t = unique("idem_jsonb");
+    let store = PostgresStore::builder(&url)
+        .table(&t)
+        .connect()
+        .await
+        .unwrap();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let results: [&[u8]; 4] = [
+        br#"{"rate":1e999999}"#,
+        br#"{"rate":1e-999999}"#,
+        br#""a\u0000b""#,
+        br#"{"message_id":"m-1"}"#,
+    ];
+    for (i, result) in results.iter().enumerate() {
+        let key = Key::from_text(format!("tool.{i}"));
+        let request = idem_core::store::ClaimRequest {
+            origin: idem_core::store::Origin::new("run", "tool"),
+            fingerprint: idem_core::store::Fingerprint::from_bytes([1; 32]),
+            token: Token::generate().unwrap(),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            take_over_expired: false,
+            retry_failed: false,
+        };
+        store.claim(&key, &request).await.unwrap();
+        let done = store
+            .complete(
+                &key,
+                request.token,
+                idem_core::store::Outcome::Completed(result),
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            done,
+            idem_core::store::Fenced::Applied,
+            "{}",
+            String::from_utf8_lossy(result)
+        );
+        let replay = store.claim(&key, &request).await.unwrap();
+        assert_eq!(replay, idem_core::store::Claim::Completed(result.to_vec()));
+        let json: Option<String> = client
+            .query_one(
+                &format!("SELECT result::text FROM {t} WHERE key = $1"),
+                &[&key.as_str()],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(json.is_some(), i == 3, "{json:?}");
+    }
     client
         .batch_execute(&format!("DROP TABLE {t}"))
         .await

@@ -185,7 +185,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             });
             let span = hook.span();
             quote_spanned! {span=>
-                for _ in 0..3 {
+                for _ in 0..20 {
                     let ::core::option::Option::Some(__idem_abandoned) =
                         #reconciling::abandoned(&__idem_call).await
                     else {

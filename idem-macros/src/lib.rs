@@ -31,6 +31,7 @@ use proc_macro::TokenStream;
 /// | `wait = "10s"` | how long a concurrent duplicate waits for the first call's result | `max_run` + `lease` |
 /// | `fail_fast` | a concurrent duplicate gets `Error::InProgress` at once | off |
 /// | `at_most_once` | a claim given up without an outcome (a crash, a dropped call, a panic) is `Error::OutcomeUnknown` instead of running again (payments) | at-least-once |
+/// | `reconcile = check` | with `at_most_once`, async tools: before a call answers `OutcomeUnknown`, `check(&key, &arg, ..)` (every argument but the run, by reference) asks the downstream system what happened, and returns `idem::Reconciled`: `Happened(value)` (recorded, and returned to this call and every retry), `NeverHappened` (the call runs now, under a fresh claim) or `Unknown` (`OutcomeUnknown`). Costs one read of the key per call | no hook |
 /// | `cache_errors` | store `Err` values and replay them too (needs `E: Serialize + Deserialize`) | errors release the key |
 /// | `name = "send_email"` | the tool name in the key: a string literal, or an expression giving `&str` (`name = Self::NAME`) | the function's path: module, and for a method the type and the trait, with this call's generic arguments (`key::default_tool_name`) |
 /// | `key = [input.to]` | the arguments or fields that form the key; the whole input is still fingerprinted, so the same key with another input is `Error::PayloadMismatch` | all arguments |

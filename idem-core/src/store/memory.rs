@@ -11,7 +11,8 @@ use crate::key::Fingerprint;
 use crate::record::{Record, State, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, decide_resolution, is_replayable, page_by_key, Claim,
-    ClaimRequest, Cursor, Fenced, Filter, Listed, Outcome, OwnerWrite, Page, Resolution, Store,
+    ClaimRequest, Counts, Cursor, Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind,
+    Store,
 };
 use crate::{blocking, sync, Error, Key};
 
@@ -176,8 +177,8 @@ impl Store for MemoryStore {
     }
 
     /// Pages in key order: each page walks the maps for the live records past the
-    /// cursor that match, and sorts them (the store is for one process's records, not
-    /// for millions).
+    /// cursor that match, and sorts the first `limit` of them (the store is for one
+    /// process's records, not for millions: a walk over all of them is quadratic).
     async fn list(
         &self,
         filter: &Filter,
@@ -199,14 +200,31 @@ impl Store for MemoryStore {
                     .map(|(key, record)| (key.clone(), Arc::clone(record))),
             );
         }
+        // The first `limit + 1` in key order (one more, to know a next page exists).
+        let keep = limit.max(1) + 1;
+        if found.len() > keep {
+            found.select_nth_unstable_by(keep - 1, |a, b| a.0.cmp(&b.0));
+            found.truncate(keep);
+        }
         found.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        let records = found.into_iter().map(|(key, record)| {
-            Ok(Listed {
-                key,
-                record: Record::clone(&record),
-            })
-        });
-        page_by_key(records, filter, limit, now)
+        let entries = found
+            .into_iter()
+            .map(|(key, record)| Ok((key, Ok(Record::clone(&record)))));
+        page_by_key(entries, filter, limit, now)
+    }
+
+    /// One walk of the maps.
+    async fn count(&self, filter: &Filter) -> Result<Counts, Error> {
+        let now = Timestamp::now();
+        let mut counts = Counts::default();
+        for shard in self.shards.iter() {
+            for (key, record) in sync::read(shard).iter() {
+                if !record.is_expired(now) && filter.matches(key, record, now) {
+                    counts.add(StateKind::of(record, now));
+                }
+            }
+        }
+        Ok(counts)
     }
 
     async fn resolve(

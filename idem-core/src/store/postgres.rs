@@ -13,7 +13,7 @@ use crate::record::{Meta, Origin, Record, State, Timestamp, Token};
 use crate::store::net::{self, fenced, in_local_clock};
 use crate::store::{
     decide_claim, Claim, ClaimRequest, Counts, Cursor, Fenced, Filter, Listed, Outcome, Page,
-    Resolution, StateKind, Store,
+    Resolution, StateKind, Store, Unreadable,
 };
 use crate::{Error, Key};
 
@@ -244,15 +244,14 @@ takeovers    integer     NOT NULL DEFAULT 0,
 result       jsonb";
 
 /// The indexes of the operators' listings: by run, by tool (each in key order, as
-/// pages are read), and the claims in progress by lease (stuck calls).
-const INDEXES: [(&str, &str); 3] = [
+/// pages are read), and the claims in progress by lease (stuck calls); and the rows
+/// whose `result` is still to fill.
+const INDEXES: [(&str, &str); 4] = [
     ("run", "(run_id, key)"),
     ("tool", "(tool, key)"),
     ("in_progress", "(lease_until) WHERE state = 0"),
+    ("unfilled", "(key) WHERE result IS NULL AND state <> 0"),
 ];
-
-/// The comment `migrate` puts on `result` once every row of idem 0.1 has it filled.
-const FILLED: &str = "idem: result filled from payload";
 
 /// The bound on each step of a migration: building an index on a large table takes
 /// longer than an operation's timeout.
@@ -300,15 +299,23 @@ struct Sql {
     resolve_released: String,
 }
 
-/// Milliseconds since the Unix epoch of a `timestamptz` expression.
+/// Milliseconds since the Unix epoch of a `timestamptz` expression; NULL stays NULL,
+/// and a time out of `int8`'s range (`infinity`, written by hand) is cut to its bounds.
 fn ms(expr: &str) -> String {
-    format!("(extract(epoch from {expr}) * 1000)::int8")
+    format!(
+        "(CASE WHEN {expr} IS NULL THEN NULL \
+          ELSE least(greatest(extract(epoch from {expr}) * 1000, 0), {MAX_MS})::int8 END)"
+    )
 }
+
+/// The latest time `ms` gives: about 285,000 years from 1970.
+const MAX_MS: i64 = 9_000_000_000_000_000;
 
 impl Sql {
     fn new(t: &str) -> Self {
+        let jsonb = jsonb_function(t);
         // The row under `$1` (all NULL if there is none) and the database time.
-        let read = format!("SELECT {COLUMNS}, {now}", now = ms("now()"));
+        let read = format!("SELECT {}, {now}", columns(), now = ms("now()"));
         let from = format!("FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1");
         // A claim of `$1`: fingerprint, token, lease ms, ttl ms.
         // The claim's origin: $6 run id, $7 tenant, $8 call id, $9 tool.
@@ -344,9 +351,9 @@ impl Sql {
                         OR (r.state = 2 AND $11))) \
                  RETURNING 1"
             ),
-            // $6: the result as JSON text for `result`, or NULL (see `as_jsonb`).
+            // $6: the result as text for `result`, or NULL (see `as_text`).
             complete: format!(
-                "UPDATE {t} SET state = $3, payload = $4, result = $6::text::jsonb, lease_until = NULL, \
+                "UPDATE {t} SET state = $3, payload = $4, result = {jsonb}($6::text), lease_until = NULL, \
                  created_at = now(), completed_at = now(), \
                  expires_at = now() + $5::int8 * interval '1 millisecond' \
                  WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
@@ -357,7 +364,7 @@ impl Sql {
                  WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
             ),
             resolve_completed: format!(
-                "UPDATE {t} SET state = 1, payload = $3, result = $5::text::jsonb, lease_until = NULL, \
+                "UPDATE {t} SET state = 1, payload = $3, result = {jsonb}($5::text), lease_until = NULL, \
                  created_at = now(), completed_at = now(), \
                  expires_at = now() + $4::int8 * interval '1 millisecond' \
                  WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
@@ -392,9 +399,10 @@ impl Sql {
         params.push(0i64);
         let conditions = conditions(filter, &mut params);
         let sql = format!(
-            "SELECT r.key, {COLUMNS}, {now} FROM {t} AS r \
+            "SELECT r.key, {columns}, {now} FROM {t} AS r \
              WHERE r.expires_at > now() AND ($1::text IS NULL OR r.key > $1) {conditions} \
              ORDER BY r.key LIMIT $2",
+            columns = columns(),
             now = ms("now()"),
             t = self.table,
         );
@@ -433,15 +441,20 @@ impl Sql {
 }
 
 /// The columns of a record, as `decode_row` reads them (a row of table `r`).
-const COLUMNS: &str = "r.fingerprint, r.state, r.token, \
-    (extract(epoch from r.lease_until) * 1000)::int8, r.payload, \
-    (extract(epoch from r.created_at) * 1000)::int8, \
-    (extract(epoch from r.expires_at) * 1000)::int8, \
-    r.run_id, r.tenant, r.call_id, r.tool, \
-    (extract(epoch from coalesce(r.claimed_at, r.created_at)) * 1000)::int8, \
-    (extract(epoch from r.completed_at) * 1000)::int8, \
-    (extract(epoch from r.renewed_at) * 1000)::int8, r.attempts, r.takeovers";
-/// How many columns `COLUMNS` has: the database time follows them.
+fn columns() -> String {
+    format!(
+        "r.fingerprint, r.state, r.token, {lease}, r.payload, {created}, {expires}, \
+         r.run_id, r.tenant, r.call_id, r.tool, {claimed}, {completed}, {renewed}, \
+         r.attempts, r.takeovers",
+        lease = ms("r.lease_until"),
+        created = ms("r.created_at"),
+        expires = ms("r.expires_at"),
+        claimed = ms("coalesce(r.claimed_at, r.created_at)"),
+        completed = ms("r.completed_at"),
+        renewed = ms("r.renewed_at"),
+    )
+}
+/// How many columns [`columns`] has: the database time follows them.
 const COLUMN_COUNT: usize = 16;
 
 /// An in-progress row whose lease has run out.
@@ -485,7 +498,7 @@ fn conditions(filter: &Filter, params: &mut Params) -> String {
     }
     if let Some(tool) = &filter.tool {
         // A row of idem 0.1 has no tool: its key's label names it.
-        let label = format!("{}.%", label_of(tool).replace('_', "\\_"));
+        let label = format!("{}.%", Key::label_of(tool).replace('_', "\\_"));
         sql += &format!(
             " AND (r.tool = {} OR (r.tool IS NULL AND r.key LIKE {}))",
             params.push(tool.clone()),
@@ -505,24 +518,22 @@ fn conditions(filter: &Filter, params: &mut Params) -> String {
     sql
 }
 
-/// The label keys of `tool` carry.
-fn label_of(tool: &str) -> String {
-    let key = Key::of(tool, &Fingerprint::from_bytes([0; 32]));
-    key.label().unwrap_or_default().to_owned()
+/// A result as text for the `result jsonb` column, or `None` if it is not UTF-8. The
+/// text goes through [`jsonb_function`], which gives NULL for anything `jsonb` refuses
+/// (a `\u0000` escape, a number out of `numeric`'s range), so that a result can never
+/// fail the statement that records it. The exact bytes stay in `payload` either way,
+/// and replays read those.
+fn as_text(payload: &[u8]) -> Option<&str> {
+    std::str::from_utf8(payload).ok()
 }
 
-/// The JSON text of a result for the `result jsonb` column, or `None` when `jsonb`
-/// would refuse it: not UTF-8, or holding an escape `jsonb` cannot store (`\u0000`,
-/// a surrogate). The exact bytes stay in `payload` either way, and replays read those.
-fn as_jsonb(payload: &[u8]) -> Option<&str> {
-    let text = std::str::from_utf8(payload).ok()?;
-    let refused = text.match_indices("\\u").any(|(at, _)| {
-        let hex = text.get(at + 2..at + 6).unwrap_or("").to_ascii_lowercase();
-        hex == "0000"
-            || (hex.starts_with('d')
-                && matches!(hex.as_bytes().get(1), Some(b'8'..=b'9' | b'a'..=b'f')))
-    });
-    (!refused && serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok()).then_some(text)
+/// The function `migrate` creates beside the table: `text` to `jsonb`, or NULL where
+/// `jsonb` refuses the text.
+fn jsonb_function(t: &str) -> String {
+    match t.rsplit_once('.') {
+        Some((schema, _)) => format!("{schema}.idem_try_jsonb"),
+        None => "idem_try_jsonb".to_owned(),
+    }
 }
 
 /// A Postgres failure with its whole cause: the server's message and SQLSTATE, or the
@@ -626,6 +637,10 @@ impl PostgresStore {
                  {COLUMNS_V2}
              );
              DO $idem$ BEGIN
+                 IF to_regprocedure('{jsonb}(text)') IS NULL THEN
+                     CREATE FUNCTION {jsonb}(t text) RETURNS jsonb LANGUAGE plpgsql IMMUTABLE
+                     AS $f$ BEGIN RETURN t::jsonb; EXCEPTION WHEN OTHERS THEN RETURN NULL; END $f$;
+                 END IF;
                  IF to_regclass('{expires_qualified}') IS NULL THEN
                      CREATE INDEX {expires_index} ON {t} (expires_at);
                  END IF;
@@ -636,6 +651,7 @@ impl PostgresStore {
              END $idem$;
              COMMIT;",
             lock_ms = self.inner.timeout.as_millis(),
+            jsonb = jsonb_function(t),
         );
         let batch = |sql: String| {
             let client = &client;
@@ -708,26 +724,21 @@ impl PostgresStore {
         self.fill_results(client).await
     }
 
-    /// Fills `result` for the completed rows of idem 0.1, in batches of a thousand, each
-    /// one statement; marks the column when done, so that later runs skip the scan.
+    /// Fills `result` for completed rows that lack it (written by idem 0.1, before or
+    /// during the upgrade), in batches of a thousand, each one statement. The `unfilled`
+    /// index holds just those rows (and those whose result `jsonb` refuses), so a table
+    /// with none costs one index lookup.
     async fn fill_results(&self, client: &deadpool_postgres::Object) -> Result<(), Error> {
         let t = &self.inner.table;
-        let filled = format!("SELECT coalesce(col_description(to_regclass('{t}'), \
-            (SELECT attnum FROM pg_attribute WHERE attrelid = to_regclass('{t}') AND attname = 'result')::int), '') = '{FILLED}'");
-        let row = self
-            .bounded(async { client.query_one(&filled, &[]).await.map_err(pg_error) })
-            .await?;
-        if row.try_get::<_, bool>(0).map_err(pg_error)? {
-            return Ok(());
-        }
         let select = format!(
-            "SELECT key, payload FROM {t} WHERE state IN (1, 2) AND result IS NULL AND payload IS NOT NULL \
+            "SELECT key, payload FROM {t} WHERE result IS NULL AND state <> 0 \
              AND key > $1 ORDER BY key LIMIT 1000"
         );
         let update = format!(
-            "UPDATE {t} AS r SET result = v.result::jsonb \
+            "UPDATE {t} AS r SET result = {jsonb}(v.result) \
              FROM unnest($1::text[], $2::bytea[], $3::text[]) AS v(key, payload, result) \
-             WHERE r.key = v.key AND r.payload = v.payload AND r.state IN (1, 2) AND r.result IS NULL"
+             WHERE r.key = v.key AND r.payload = v.payload AND r.state <> 0 AND r.result IS NULL",
+            jsonb = jsonb_function(t),
         );
         let (mut after, mut filled) = (String::new(), 0u64);
         loop {
@@ -738,8 +749,9 @@ impl PostgresStore {
             after = last.try_get(0).map_err(pg_error)?;
             let (mut keys, mut payloads, mut results) = (Vec::new(), Vec::new(), Vec::new());
             for row in &rows {
-                let payload: Vec<u8> = row.try_get(1).map_err(pg_error)?;
-                if let Some(result) = as_jsonb(&payload) {
+                let payload: Option<Vec<u8>> = row.try_get(1).map_err(pg_error)?;
+                let Some(payload) = payload else { continue };
+                if let Some(result) = as_text(&payload) {
                     results.push(result.to_owned());
                     keys.push(row.try_get::<_, String>(0).map_err(pg_error)?);
                     payloads.push(payload);
@@ -754,9 +766,6 @@ impl PostgresStore {
                 })
                 .await?;
         }
-        let mark = format!("COMMENT ON COLUMN {t}.result IS '{FILLED}'");
-        self.bounded(async { client.batch_execute(&mark).await.map_err(pg_error) })
-            .await?;
         if filled > 0 {
             tracing::info!(table = %t, rows = filled, "idem: filled the `result` column of existing records");
         }
@@ -826,7 +835,7 @@ fn now_of(row: &Row, at: usize) -> Result<Timestamp, Error> {
     Ok(Timestamp(now.max(0) as u64))
 }
 
-/// The record in a row whose columns from `at` on are [`COLUMNS`], or `None` if the key
+/// The record in a row whose columns from `at` on are [`columns`], or `None` if the key
 /// has no row.
 fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> {
     let corrupt = |reason: String| Error::CorruptRecord {
@@ -998,7 +1007,7 @@ impl Store for PostgresStore {
                     &state,
                     &payload,
                     &millis(ttl),
-                    &as_jsonb(payload),
+                    &as_text(payload),
                 ],
             ))
             .await?;
@@ -1061,8 +1070,10 @@ impl Store for PostgresStore {
         for row in &rows {
             let key = Key::from_text(row.try_get::<_, String>(0).map_err(pg_error)?);
             page.now = now_of(row, 1)?;
-            if let Some(record) = decode_row(&key, row, 1)? {
-                page.records.push(Listed { key, record });
+            match decode_row(&key, row, 1) {
+                Ok(Some(record)) => page.records.push(Listed { key, record }),
+                Ok(None) => {}
+                Err(error) => page.unreadable.push(Unreadable { key, error }),
             }
         }
         if rows.len() as i64 == limit {
@@ -1097,6 +1108,7 @@ impl Store for PostgresStore {
             abandoned: n(1)?,
             completed: n(2)?,
             failed: n(3)?,
+            unreadable: 0,
         })
     }
 
@@ -1140,7 +1152,7 @@ impl Store for PostgresStore {
                         &token.as_slice(),
                         &result,
                         &millis(ttl),
-                        &as_jsonb(result),
+                        &as_text(result),
                     ],
                 ))
                 .await?

@@ -14,7 +14,7 @@ use crate::key::Fingerprint;
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, decide_resolution, page_by_key, Claim, ClaimRequest, Cursor,
-    Fenced, Filter, Listed, Outcome, OwnerWrite, Page, Resolution, Store,
+    Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, Store,
 };
 use crate::{blocking, Error, Key};
 
@@ -669,8 +669,7 @@ impl Store for SledStore {
     }
 
     /// Pages in key order, walking the tree from the cursor on a blocking thread. A
-    /// record that does not decode is an error naming its key, not skipped: an operator
-    /// listing records wants to know.
+    /// value that does not decode is listed as unreadable.
     async fn list(
         &self,
         filter: &Filter,
@@ -688,18 +687,17 @@ impl Store for SledStore {
                 )),
                 None => tree.iter(),
             };
-            let records = range.filter_map(|entry| {
-                let decoded = entry.map_err(sled_error).and_then(|(k, bytes)| {
+            let entries = range.filter_map(|entry| match entry {
+                Ok((k, bytes)) => {
                     let key = Key::from_text(String::from_utf8_lossy(&k));
-                    let record = Record::decode(key.as_str(), &bytes)?;
-                    Ok(Listed { key, record })
-                });
-                match decoded {
-                    Ok(listed) if listed.record.is_expired(now) => None,
-                    other => Some(other),
+                    match Record::decode(key.as_str(), &bytes) {
+                        Ok(record) if record.is_expired(now) => None,
+                        record => Some(Ok((key, record))),
+                    }
                 }
+                Err(e) => Some(Err(sled_error(e))),
             });
-            page_by_key(records, &filter, limit, now)
+            page_by_key(entries, &filter, limit, now)
         };
         let page = blocking::run(walk)
             .await
