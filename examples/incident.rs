@@ -48,7 +48,7 @@ struct Charge {
 async fn send_email(email: Email) -> Result<MessageId, ToolError> {
     println!("  sent \"{}\" to {}", email.subject, email.to);
     Ok(MessageId {
-        message_id: format!("msg-{}", email.to.len() * 7919),
+        message_id: format!("msg-{}", email.to.split('@').next().unwrap_or("x")),
     })
 }
 

@@ -47,11 +47,25 @@ const STORE: &str = "postgres";
 ///     token       bytea       NOT NULL,     -- fencing token of the call that claimed it
 ///     lease_until timestamptz,              -- in progress: when the claim counts as abandoned
 ///     payload     bytea,                    -- completed / failed: the result or error, JSON
-///     created_at  timestamptz NOT NULL,
-///     expires_at  timestamptz NOT NULL      -- the row is absent to idem from then on
+///     created_at  timestamptz NOT NULL,     -- the row's last write
+///     expires_at  timestamptz NOT NULL,     -- the row is absent to idem from then on
+///     -- who and what happened, for operators (no decision reads them):
+///     run_id text, tenant text, call_id text, tool text,
+///     claimed_at timestamptz, completed_at timestamptz, renewed_at timestamptz,
+///     attempts integer NOT NULL DEFAULT 0, takeovers integer NOT NULL DEFAULT 0,
+///     result jsonb                          -- the result or error again, for SQL
 /// );
 /// CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at);
 /// ```
+///
+/// and, built concurrently by one worker, the listings' indexes: `(run_id, key)`,
+/// `(tool, key)`, `(lease_until) WHERE state = 0`, and `(key) WHERE result IS NULL AND
+/// state <> 0` (results still to fill). `result` is written through `idem_try_jsonb`, a
+/// function created beside the table that gives NULL for text `jsonb` refuses, so no
+/// result can fail its completion. A table of idem 0.1 (without the metadata) is
+/// upgraded in place: each step runs only when its object is missing, the columns are
+/// added without a rewrite under a lock given up after the timeout, and results are
+/// filled 1,000 rows a statement (`docs/operations.md`).
 ///
 /// # Statements
 ///
