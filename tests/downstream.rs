@@ -189,87 +189,42 @@ fn spawn(role: &str, url: &str, dir: &Path, i: u64) -> Child {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_after_the_charge_the_retry_is_replayed_by_the_provider() {
-    let provider = Provider::start().await.unwrap();
-    let kill_points: u64 = std::env::var("IDEM_KILL_POINTS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(20);
-    let (mut before_charge, mut in_window, mut after_finish) = (0, 0, 0);
-    for i in 0..kill_points {
-        let dir = tempfile::tempdir().unwrap();
-        let charged_before = provider.charges().len();
-        let mut first = spawn("charge", &provider.url(), dir.path(), i);
-        // Kill points spread over the whole attempt: before the claim, during the
-        // request, after the charge during bookkeeping, after the result is stored.
-        tokio::time::sleep(Duration::from_millis((i * 37) % 180)).await;
-        let finished = first.try_wait().unwrap().is_some();
-        let _ = first.kill();
-        first.wait().unwrap();
-        let charged_by_first = provider.charges().len() - charged_before;
-        match (charged_by_first, finished) {
-            (0, _) => before_charge += 1,
-            (_, false) => in_window += 1,
-            (_, true) => after_finish += 1,
-        }
-
-        // The agent retries in a new process, with the same run id.
-        let mut retry = spawn("retry", &provider.url(), dir.path(), i);
-        let status = tokio::task::spawn_blocking(move || retry.wait().unwrap())
-            .await
-            .unwrap();
-        assert!(status.success(), "order {i}: the retry failed");
-        let answer = std::fs::read_to_string(dir.path().join("answer")).unwrap();
-
-        let charges = &provider.charges()[charged_before..];
-        assert_eq!(
-            charges.len(),
-            1,
-            "order {i}: charged {} times",
-            charges.len()
-        );
-        assert_eq!(
-            answer, charges[0].id,
-            "order {i}: the agent got another charge"
-        );
-    }
-    println!(
-        "{kill_points} kill points: {before_charge} before the charge, {in_window} after the charge \
-         and before idem stored the result, {after_finish} after the call finished; \
-         charges made: {} for {kill_points} orders",
-        provider.charges().len()
-    );
-    assert_eq!(provider.charges().len() as u64, kill_points);
-    assert!(
-        in_window > 0,
-        "no kill landed in the window this test is about"
-    );
+/// Where the kills of a campaign landed: before the charge, after it and before idem
+/// stored the result, after the call finished.
+struct Landed {
+    before_charge: u64,
+    in_window: u64,
+    after_finish: u64,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_at_most_once_calls_are_reconciled_with_the_provider() {
-    let provider = Provider::start_without_replay().await.unwrap();
+/// The kill-point campaign: for each order, a `charge` process killed at a point spread
+/// over its attempt (before the claim, during the request, after the charge during
+/// bookkeeping, after the result is stored), then the agent's retry in a new process,
+/// with the same run id. Each order must be charged once, and the retry get that charge.
+async fn kill_points(provider: &Provider, charge: &str, retry: &str) -> Landed {
     let kill_points: u64 = std::env::var("IDEM_KILL_POINTS")
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(20);
-    let (mut before_charge, mut in_window, mut after_finish) = (0, 0, 0);
+    let mut landed = Landed {
+        before_charge: 0,
+        in_window: 0,
+        after_finish: 0,
+    };
     for i in 0..kill_points {
         let dir = tempfile::tempdir().unwrap();
         let charged_before = provider.charges().len();
-        let mut first = spawn("charge_once", &provider.url(), dir.path(), i);
+        let mut first = spawn(charge, &provider.url(), dir.path(), i);
         tokio::time::sleep(Duration::from_millis((i * 37) % 180)).await;
         let finished = first.try_wait().unwrap().is_some();
         let _ = first.kill();
         first.wait().unwrap();
         match (provider.charges().len() - charged_before, finished) {
-            (0, _) => before_charge += 1,
-            (_, false) => in_window += 1,
-            (_, true) => after_finish += 1,
+            (0, _) => landed.before_charge += 1,
+            (_, false) => landed.in_window += 1,
+            (_, true) => landed.after_finish += 1,
         }
-        // One retry, in a new process, right away (within the dead claim's lease).
-        let mut retry = spawn("retry_once", &provider.url(), dir.path(), i);
+        let mut retry = spawn(retry, &provider.url(), dir.path(), i);
         let status = tokio::task::spawn_blocking(move || retry.wait().unwrap())
             .await
             .unwrap();
@@ -279,21 +234,41 @@ async fn killed_at_most_once_calls_are_reconciled_with_the_provider() {
         assert_eq!(
             charges.len(),
             1,
-            "order {i}: charged {} times (answer {answer})",
+            "order {i}: charged {} times (the agent got {answer})",
             charges.len()
         );
         assert_eq!(answer, charges[0].id, "order {i}: the agent got {answer}");
     }
-    println!(
-        "at most once + reconcile, {kill_points} kill points: {before_charge} before the charge, \
-         {in_window} after the charge and before idem stored the result, {after_finish} after \
-         the call finished; 0 OutcomeUnknown, charges made: {} for {kill_points} orders",
-        provider.charges().len()
-    );
+    assert_eq!(provider.charges().len() as u64, kill_points);
     assert!(
-        in_window > 0,
+        landed.in_window > 0,
         "no kill landed in the window this test is about"
     );
+    println!(
+        "{kill_points} kill points: {} before the charge, {} after the charge and before idem \
+         stored the result, {} after the call finished; charges made: {} for {kill_points} orders",
+        landed.before_charge,
+        landed.in_window,
+        landed.after_finish,
+        provider.charges().len()
+    );
+    landed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_charge_the_retry_is_replayed_by_the_provider() {
+    let provider = Provider::start().await.unwrap();
+    kill_points(&provider, "charge", "retry").await;
+}
+
+/// At most once with a reconcile hook, against a provider that does not deduplicate:
+/// the retry (one, at once, within the dead claim's lease) asks the provider and gets
+/// the charge that was made, or makes it once; never `OutcomeUnknown` (the retry would
+/// answer `unknown`, which is no charge id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_at_most_once_calls_are_reconciled_with_the_provider() {
+    let provider = Provider::start_without_replay().await.unwrap();
+    kill_points(&provider, "charge_once", "retry_once").await;
 }
 
 /// The agent's own timeout drops the call after the charge went out (the story idem

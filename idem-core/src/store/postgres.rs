@@ -825,6 +825,20 @@ impl PostgresStore {
         client.execute(&stmt, params).await.map_err(pg_error)
     }
 
+    /// Runs a statement built with its parameters (a listing's, a count's), within the
+    /// store's timeout.
+    async fn query(&self, sql: &str, params: &Params) -> Result<Vec<Row>, Error> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let stmt = client.prepare_cached(sql).await.map_err(pg_error)?;
+            client
+                .query(&stmt, &params.as_refs())
+                .await
+                .map_err(pg_error)
+        })
+        .await
+    }
+
     /// Runs `sql`, a statement that returns at most one row, and returns that row.
     async fn row(
         &self,
@@ -835,6 +849,13 @@ impl PostgresStore {
         let stmt = client.prepare_cached(sql).await.map_err(pg_error)?;
         client.query_opt(&stmt, params).await.map_err(pg_error)
     }
+}
+
+/// The one row of an aggregate's answer.
+fn one_row(rows: Vec<Row>) -> Result<Row, Error> {
+    rows.into_iter()
+        .next()
+        .ok_or_else(|| pg_error("an aggregate answered no row"))
 }
 
 /// What a row of the `read` query holds: the record (`None` if the key has no row) and
@@ -1070,19 +1091,15 @@ impl Store for PostgresStore {
         let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
         params.0[0] = Box::new(after.map(|c| c.0.clone()));
         params.0[1] = Box::new(limit);
-        let rows = self
-            .bounded(async {
-                let client = self.client().await?;
-                let stmt = client.prepare_cached(&sql).await.map_err(pg_error)?;
-                client
-                    .query(&stmt, &params.as_refs())
-                    .await
-                    .map_err(pg_error)
-            })
-            .await?;
-        let mut page = Page::default();
+        let rows = self.query(&sql, &params).await?;
+        let mut page = Page {
+            now: Timestamp::now(),
+            ..Page::default()
+        };
+        let mut last = None;
         for row in &rows {
             let key = Key::from_text(row.try_get::<_, String>(0).map_err(pg_error)?);
+            last = Some(key.as_str().to_owned());
             page.now = now_of(row, 1)?;
             match decode_row(&key, row, 1) {
                 Ok(Some(record)) => page.records.push(Listed { key, record }),
@@ -1091,29 +1108,14 @@ impl Store for PostgresStore {
             }
         }
         if rows.len() as i64 == limit {
-            page.next = page
-                .records
-                .last()
-                .map(|l| Cursor(l.key.as_str().to_owned()));
-        }
-        if rows.is_empty() {
-            page.now = Timestamp::now();
+            page.next = last.map(Cursor);
         }
         Ok(page)
     }
 
     async fn count(&self, filter: &Filter) -> Result<Counts, Error> {
         let (sql, params) = self.inner.sql.count(filter);
-        let row = self
-            .bounded(async {
-                let client = self.client().await?;
-                let stmt = client.prepare_cached(&sql).await.map_err(pg_error)?;
-                client
-                    .query_one(&stmt, &params.as_refs())
-                    .await
-                    .map_err(pg_error)
-            })
-            .await?;
+        let row = one_row(self.query(&sql, &params).await?)?;
         let n = |i: usize| -> Result<u64, Error> {
             Ok(row.try_get::<_, i64>(i).map_err(pg_error)?.max(0) as u64)
         };
@@ -1132,16 +1134,7 @@ impl Store for PostgresStore {
         let (sql, params) = self.inner.sql.delete_matching(filter);
         let mut removed = 0;
         loop {
-            let row = self
-                .bounded(async {
-                    let client = self.client().await?;
-                    let stmt = client.prepare_cached(&sql).await.map_err(pg_error)?;
-                    client
-                        .query_one(&stmt, &params.as_refs())
-                        .await
-                        .map_err(pg_error)
-                })
-                .await?;
+            let row = one_row(self.query(&sql, &params).await?)?;
             let batch: i64 = row.try_get(0).map_err(pg_error)?;
             removed += batch.max(0) as u64;
             if batch < PURGE_BATCH {
