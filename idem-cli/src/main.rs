@@ -95,7 +95,12 @@ enum Command {
         #[arg(long)]
         release: bool,
         /// How long the result is kept (default: the TTL the call claimed with).
-        #[arg(long, value_parser = humantime::parse_duration, requires = "completed")]
+        #[arg(
+            long,
+            value_parser = humantime::parse_duration,
+            requires = "completed",
+            conflicts_with = "release"
+        )]
         ttl: Option<Duration>,
     },
     /// Remove expired records (Redis expires its own: nothing to do there).
@@ -193,7 +198,9 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure(Exit::Closed, _)) => ExitCode::SUCCESS,
         Err(Failure(exit, message)) => {
-            eprintln!("error: {message}");
+            // Each line cleaned: a key or a run id in a message is data, not terminal input.
+            let message: Vec<String> = message.lines().map(output::clean).collect();
+            eprintln!("error: {}", message.join("\n"));
             ExitCode::from(exit as u8)
         }
     }
@@ -422,7 +429,7 @@ async fn ls(
 ) -> Result<(), Failure> {
     let (mut after, mut shown) = (None, 0u64);
     let mut stdout = std::io::stdout().lock();
-    write_to(&mut stdout, &out.list_header())?;
+    let mut header = Some(out.list_header());
     loop {
         let page = store.list(filter, after.as_ref(), 1_000).await?;
         for unreadable in &page.unreadable {
@@ -430,10 +437,11 @@ async fn ls(
             eprintln!(
                 "warning: `{key}` holds a value this build cannot read ({}); \
                  `idem evict {key} --yes` removes it",
-                unreadable.error
+                output::clean(&unreadable.error.to_string())
             );
         }
-        let mut text = String::new();
+        // The header once the store answered, so a failure is not preceded by it.
+        let mut text = header.take().unwrap_or_default();
         for listed in &page.records {
             if limit.is_some_and(|limit| shown >= limit) {
                 break;

@@ -44,12 +44,13 @@ impl Output {
         }
         let origin = record.meta.origin.as_ref();
         format!(
-            "{:STATE$}  {:>ATTEMPTS$}  {:CLAIMED$}  {:TOOL$}  {:RUN$}  {key}\n",
+            "{:STATE$}  {:>ATTEMPTS$}  {:CLAIMED$}  {:TOOL$}  {:RUN$}  {}\n",
             StateKind::of(record, now).as_str(),
             record.meta.attempts,
             time(record.meta.claimed_at),
             clip(origin.map_or(key.label().unwrap_or("-"), |o| &o.tool), TOOL),
             clip(origin.map_or("-", |o| &o.run_id), RUN),
+            clean(key.as_str()),
         )
     }
 
@@ -84,7 +85,7 @@ impl Output {
         let opt = |t: Option<Timestamp>| t.map_or("-".to_owned(), time);
         let part = |p: Option<&str>| p.map_or("-".to_owned(), clean);
         let rows = [
-            ("key", key.to_string()),
+            ("key", clean(key.as_str())),
             ("state", state_text),
             ("tool", part(origin.map(|o| &*o.tool).or(key.label()))),
             ("run", part(origin.map(|o| &*o.run_id))),
@@ -178,12 +179,15 @@ fn summary(key: &Key, record: &Record, now: Timestamp) -> Value {
 }
 
 /// `text` for a terminal: control characters (a newline, a tab, an escape sequence an
-/// agent put in a run id) written as escapes, so they cannot break a row or steer the
-/// operator's terminal.
+/// agent put in a run id) and the invisible characters that reorder or hide text
+/// (bidirectional overrides, zero-width marks) written as escapes, so they cannot
+/// break a row, steer the operator's terminal, or disguise a key.
 pub(crate) fn clean(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
-        if c.is_control() {
+        let invisible = matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}'
+            | '\u{2060}'..='\u{2069}' | '\u{feff}' | '\u{061c}');
+        if c.is_control() || invisible {
             out.extend(c.escape_default());
         } else {
             out.push(c);

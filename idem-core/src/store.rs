@@ -748,12 +748,12 @@ impl Counts {
 /// How many records a page of the default walks holds.
 const WALK_PAGE: usize = 1_000;
 
-/// A page of `limit` records from a sorted stream of keyed records, starting after the
-/// key in `after`: the listing of a store whose keys are in order (the cursor is the
-/// last key listed). `entries` yields every live key in key order, from `after`, with
-/// its record or the reason it cannot be read; an `Err` item fails the page.
+/// A page of `limit` records from a sorted stream of keyed records: the listing of a
+/// store whose keys are in order. `entries` yields every live key in key order, from
+/// where the page starts, with the cursor that starts after it, and its record or the
+/// reason it cannot be read; an `Err` item fails the page.
 pub(crate) fn page_by_key(
-    entries: impl Iterator<Item = Result<(Key, Result<Record, Error>), Error>>,
+    entries: impl Iterator<Item = Result<(Cursor, Key, Result<Record, Error>), Error>>,
     filter: &Filter,
     limit: usize,
     now: Timestamp,
@@ -765,12 +765,12 @@ pub(crate) fn page_by_key(
     };
     let mut last = None;
     for entry in entries {
-        let (key, record) = entry?;
+        let (cursor, key, record) = entry?;
         if page.records.len() + page.unreadable.len() == limit {
-            page.next = last.map(|k: Key| Cursor(k.as_str().to_owned()));
+            page.next = last;
             break;
         }
-        last = Some(key.clone());
+        last = Some(cursor);
         match record {
             Ok(record) if filter.matches(&key, &record, now) => {
                 page.records.push(Listed { key, record })

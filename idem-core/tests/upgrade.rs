@@ -498,3 +498,127 @@ async fn postgres_records_results_jsonb_refuses() {
         .await
         .unwrap();
 }
+
+/// A table whose `idem_try_jsonb` function is missing (migrated by hand, or by a
+/// build before the function; a worker that only `build()`s never creates it) still
+/// records every outcome, with `result` NULL: a completion that failed would make each
+/// retry run the body again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_records_outcomes_without_the_jsonb_function() {
+    let Some(url) = env("IDEM_POSTGRES_URL") else {
+        return;
+    };
+    let schema = unique("idem_nofn");
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!("CREATE SCHEMA {schema}"))
+        .await
+        .unwrap();
+    let t = format!("{schema}.records");
+    PostgresStore::builder(&url)
+        .table(&t)
+        .connect()
+        .await
+        .unwrap();
+    client
+        .batch_execute(&format!("DROP FUNCTION {schema}.idem_try_jsonb(text)"))
+        .await
+        .unwrap();
+    let store: Arc<dyn Store> = Arc::new(PostgresStore::builder(&url).table(&t).build().unwrap());
+    let run = Run::new("no-function").with_shared_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    for _ in 0..3 {
+        assert_eq!(send(&run, 7, &ran).await.unwrap(), "fresh-7");
+    }
+    assert_eq!(
+        ran.load(SeqCst),
+        1,
+        "the body ran again: its outcome was not recorded"
+    );
+    let result: Option<String> = client
+        .query_one(&format!("SELECT result::text FROM {t}"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(result, None);
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .unwrap();
+}
+
+/// A migration that fails (its lock given up after the timeout, behind a long
+/// transaction) leaves no connection of the pool in a failed transaction: once the
+/// transaction ends, the next migration and every call work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_failed_migration_spoils_no_connection() {
+    let Some(url) = env("IDEM_POSTGRES_URL") else {
+        return;
+    };
+    let t = unique("idem_spoil");
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client.batch_execute(&table_of_0_1(&t)).await.unwrap();
+    let (holder, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    holder
+        .batch_execute(&format!("BEGIN; SELECT count(*) FROM {t}"))
+        .await
+        .unwrap();
+    let store = PostgresStore::builder(&url)
+        .table(&t)
+        .timeout(Duration::from_secs(1))
+        .max_connections(1)
+        .build()
+        .unwrap();
+    let error = store.migrate().await.unwrap_err();
+    assert!(error.to_string().contains("55P03"), "{error}");
+    holder.batch_execute("COMMIT").await.unwrap();
+    store.migrate().await.unwrap();
+    let page = store.list(&Filter::default(), None, 10).await.unwrap();
+    assert!(page.records.is_empty());
+    client
+        .batch_execute(&format!("DROP TABLE {t}"))
+        .await
+        .unwrap();
+}
+
+/// A table name of the longest Postgres takes (63 bytes) still gets every index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_long_table_name_gets_every_index() {
+    let Some(url) = env("IDEM_POSTGRES_URL") else {
+        return;
+    };
+    let t = format!("{:_<63}", unique("idem_long"));
+    PostgresStore::builder(&url)
+        .table(&t)
+        .connect()
+        .await
+        .unwrap();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let valid: i64 = client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM pg_index WHERE indrelid = '\"{t}\"'::regclass AND indisvalid"
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(valid, 6);
+    client
+        .batch_execute(&format!("DROP TABLE \"{t}\""))
+        .await
+        .unwrap();
+}

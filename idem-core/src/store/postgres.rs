@@ -274,7 +274,17 @@ const MIGRATE_TIMEOUT: Duration = Duration::from_secs(600);
 /// An index of table `t` (quoted, maybe schema-qualified; `base` its unquoted name):
 /// its name as `CREATE INDEX` takes it, and qualified by the table's schema.
 fn index_name(t: &str, base: &str, suffix: &str) -> (String, String) {
-    let name = format!("\"{base}_{suffix}\"");
+    // Postgres cuts names at 63 bytes: a long table's index names would meet the
+    // table's own. Those are named by a hash of the table's name instead.
+    let name = match base.len() + 1 + suffix.len() <= 63 {
+        true => format!("\"{base}_{suffix}\""),
+        false => {
+            let hash = base.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            format!("\"idem_{hash:016x}_{suffix}\"")
+        }
+    };
     let qualified = match t.rsplit_once('.') {
         Some((schema, _)) => format!("{schema}.{name}"),
         None => name.clone(),
@@ -282,9 +292,9 @@ fn index_name(t: &str, base: &str, suffix: &str) -> (String, String) {
     (name, qualified)
 }
 
-/// A migration's connection while it holds the session's advisory lock: dropped
-/// without being let go of (an error, a dropped future), it is closed, not returned
-/// to the pool, so the lock goes with it.
+/// A migration's connection: dropped without being let go of (an error, a dropped
+/// future), it is closed, not returned to the pool, so a failed transaction or the
+/// session's advisory lock goes with it.
 struct Held(Option<deadpool_postgres::Object>);
 
 impl Drop for Held {
@@ -305,11 +315,13 @@ struct Sql {
     claim_fresh: String,
     claim: String,
     complete: String,
+    complete_plain: String,
     renew: String,
     release: String,
     delete: String,
     purge: String,
     resolve_completed: String,
+    resolve_completed_plain: String,
     resolve_released: String,
 }
 
@@ -328,6 +340,24 @@ const MAX_MS: i64 = 9_000_000_000_000_000;
 impl Sql {
     fn new(t: &str) -> Self {
         let jsonb = jsonb_function(t);
+        // An outcome's write, with `result` set to `result` (its text through the
+        // function, or NULL when the server refuses that).
+        let complete = |result: &str| {
+            format!(
+                "UPDATE {t} SET state = $3, payload = $4, result = {result}, lease_until = NULL, \
+                 created_at = now(), completed_at = now(), \
+                 expires_at = now() + $5::int8 * interval '1 millisecond' \
+                 WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
+            )
+        };
+        let resolve_completed = |result: &str| {
+            format!(
+                "UPDATE {t} SET state = 1, payload = $3, result = {result}, lease_until = NULL, \
+                 created_at = now(), completed_at = now(), \
+                 expires_at = now() + $4::int8 * interval '1 millisecond' \
+                 WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
+            )
+        };
         // The row under `$1` (all NULL if there is none) and the database time.
         let read = format!("SELECT {}, {now}", columns(), now = ms("now()"));
         let from = format!("FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1");
@@ -366,23 +396,15 @@ impl Sql {
                  RETURNING 1"
             ),
             // $6: the result as text for `result`, or NULL (see `as_text`).
-            complete: format!(
-                "UPDATE {t} SET state = $3, payload = $4, result = {jsonb}($6::text), lease_until = NULL, \
-                 created_at = now(), completed_at = now(), \
-                 expires_at = now() + $5::int8 * interval '1 millisecond' \
-                 WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
-            ),
+            complete: complete(&format!("{jsonb}($6::text)")),
+            complete_plain: complete("NULL"),
             renew: format!(
                 "UPDATE {t} SET lease_until = now() + $3::int8 * interval '1 millisecond', \
                  expires_at = now() + $4::int8 * interval '1 millisecond', renewed_at = now() \
                  WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
             ),
-            resolve_completed: format!(
-                "UPDATE {t} SET state = 1, payload = $3, result = {jsonb}($5::text), lease_until = NULL, \
-                 created_at = now(), completed_at = now(), \
-                 expires_at = now() + $4::int8 * interval '1 millisecond' \
-                 WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
-            ),
+            resolve_completed: resolve_completed(&format!("{jsonb}($5::text)")),
+            resolve_completed_plain: resolve_completed("NULL"),
             resolve_released: format!(
                 "DELETE FROM {t} WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
             ),
@@ -538,7 +560,19 @@ fn conditions(filter: &Filter, params: &mut Params) -> String {
 /// fail the statement that records it. The exact bytes stay in `payload` either way,
 /// and replays read those.
 fn as_text(payload: &[u8]) -> Option<&str> {
-    std::str::from_utf8(payload).ok()
+    std::str::from_utf8(payload)
+        .ok()
+        .filter(|text| !text.contains('\0'))
+}
+
+/// Whether the server refused an outcome's write for its `result` text: a data error
+/// (class 22: an encoding that cannot hold a character, a NUL) or a missing function
+/// (42883). Nothing was written; the write can be made without it.
+fn refuses_result(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(|code| {
+        code.code().starts_with("22")
+            || *code == tokio_postgres::error::SqlState::UNDEFINED_FUNCTION
+    })
 }
 
 /// The function `migrate` creates beside the table: `text` to `jsonb`, or NULL where
@@ -613,7 +647,13 @@ impl PostgresStore {
             .to_owned();
         let lock = t.replace('\'', "");
         let (expires_index, expires_qualified) = index_name(t, &base, "expires_at");
-        let client = self.bounded(self.client()).await?;
+        // A step that fails or is dropped closes the connection rather than return it
+        // to the pool in a failed transaction, or holding the session's lock below.
+        let mut held = Held(Some(self.bounded(self.client()).await?));
+        let client = held
+            .0
+            .as_ref()
+            .ok_or_else(|| pg_error("no migration connection"))?;
         let has_columns = format!(
             "SELECT EXISTS (SELECT 1 FROM pg_attribute \
              WHERE attrelid = to_regclass('{t}') AND attname = 'result' AND NOT attisdropped)"
@@ -667,10 +707,7 @@ impl PostgresStore {
             lock_ms = self.inner.timeout.as_millis(),
             jsonb = jsonb_function(t),
         );
-        let batch = |sql: String| {
-            let client = &client;
-            async move { client.batch_execute(&sql).await.map_err(pg_error) }
-        };
+        let batch = |sql: String| async move { client.batch_execute(&sql).await.map_err(pg_error) };
         net::bounded(STORE, MIGRATE_TIMEOUT, batch(create)).await?;
         if !had_columns {
             tracing::info!(table = %t, "idem: the table has the record metadata columns of format 2");
@@ -683,15 +720,9 @@ impl PostgresStore {
             .await?;
         if !row.try_get::<_, bool>(0).map_err(pg_error)? {
             tracing::debug!(table = %t, "idem: another worker is building the indexes; going on");
+            held.0 = None;
             return Ok(());
         }
-        // The lock is the session's: a step that fails or is dropped closes the
-        // connection, which lets it go, rather than return it to the pool held.
-        let mut held = Held(Some(client));
-        let client = held
-            .0
-            .as_ref()
-            .ok_or_else(|| pg_error("no migration connection"))?;
         self.indexes_and_results(client, &base).await?;
         let unlock = format!("SELECT pg_advisory_unlock(hashtext('idem index ' || '{lock}'))");
         self.bounded(async { client.query_one(&unlock, &[]).await.map_err(pg_error) })
@@ -823,6 +854,33 @@ impl PostgresStore {
         let client = self.client().await?;
         let stmt = client.prepare_cached(sql).await.map_err(pg_error)?;
         client.execute(&stmt, params).await.map_err(pg_error)
+    }
+
+    /// Records an outcome with `sql`, whose last parameter is the result's text for the
+    /// `result` column. Where the server refuses that text (an encoding that cannot hold
+    /// it, a NUL byte, a table `migrate` has not upgraded: no `idem_try_jsonb`), the
+    /// write is made again with `plain`, which leaves `result` NULL: the outcome is
+    /// recorded either way, since a retry that found none would run the body again.
+    async fn recorded(
+        &self,
+        (sql, plain): (&str, &str),
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        let client = self.client().await?;
+        let first = async {
+            let stmt = client.prepare_cached(sql).await?;
+            client.execute(&stmt, params).await
+        };
+        match first.await {
+            Ok(n) => Ok(n),
+            Err(e) if refuses_result(&e) => {
+                tracing::warn!(table = %self.inner.table, error = %e, "idem: the `result` column is left NULL for this outcome (run `migrate()` if the function is missing)");
+                let stmt = client.prepare_cached(plain).await.map_err(pg_error)?;
+                let without_text = &params[..params.len() - 1];
+                client.execute(&stmt, without_text).await.map_err(pg_error)
+            }
+            Err(e) => Err(pg_error(e)),
+        }
     }
 
     /// Runs a statement built with its parameters (a listing's, a count's), within the
@@ -1033,9 +1091,10 @@ impl Store for PostgresStore {
             Outcome::Failed(b) => (2, b),
         };
         let token = token.0.to_be_bytes();
+        let sql = &self.inner.sql;
         let n = self
-            .bounded(self.modified(
-                &self.inner.sql.complete,
+            .bounded(self.recorded(
+                (&sql.complete, &sql.complete_plain),
                 &[
                     &key.as_str(),
                     &token.as_slice(),
@@ -1152,8 +1211,9 @@ impl Store for PostgresStore {
         let token = token.0.to_be_bytes();
         let n = match resolution {
             Resolution::Completed { result, ttl } => {
-                self.bounded(self.modified(
-                    &self.inner.sql.resolve_completed,
+                let sql = &self.inner.sql;
+                self.bounded(self.recorded(
+                    (&sql.resolve_completed, &sql.resolve_completed_plain),
                     &[
                         &key.as_str(),
                         &token.as_slice(),

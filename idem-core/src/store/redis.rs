@@ -16,7 +16,7 @@ use crate::record::{
 use crate::store::net::{self, in_local_clock};
 use crate::store::{
     decide_claim, decide_resolution, Claim, ClaimRequest, Cursor, Fenced, Filter, Listed, Outcome,
-    Page, Resolution, Store,
+    Page, Resolution, Store, Unreadable,
 };
 use crate::{Error, Key};
 
@@ -677,7 +677,7 @@ impl Store for RedisStore {
             .arg("COUNT")
             .arg(limit.max(1));
         let listing = Key::from_text(format!("{pattern} (listing)"));
-        let (next, keys): (String, Vec<String>) = self
+        let (next, keys): (String, Vec<Vec<u8>>) = self
             .send(
                 &listing,
                 |mut c| async move { scan.query_async(&mut c).await },
@@ -719,29 +719,35 @@ impl Store for RedisStore {
             Timestamp((secs.max(0) as u64).saturating_mul(1000) + micros.max(0) as u64 / 1000);
         page.now = now;
         for (i, redis_key) in keys.iter().enumerate() {
-            let key = Key::from_text(
-                redis_key
-                    .strip_prefix(&self.inner.prefix)
-                    .unwrap_or(redis_key),
-            );
+            let text = String::from_utf8_lossy(redis_key);
+            let key = Key::from_text(text.strip_prefix(&*self.inner.prefix).unwrap_or(&text));
             let left = int(values.get(2 * i + 1)).unwrap_or(-2);
-            let bytes = match &values[2 * i] {
-                redis::Value::BulkString(bytes) => bytes.clone(),
+            let corrupt = |reason: &str| Error::CorruptRecord {
+                key: key.clone(),
+                reason: reason.to_owned(),
+            };
+            let found = match values.get(2 * i) {
                 // Gone since the scan.
                 _ if left == -2 => continue,
-                _ => {
-                    return Err(Error::CorruptRecord {
+                // Not a key idem wrote: it could not be read or removed by this name.
+                _ if std::str::from_utf8(redis_key).is_err() => {
+                    Err(corrupt("the Redis key's name is not UTF-8"))
+                }
+                Some(redis::Value::BulkString(bytes)) => {
+                    Found::in_time(&key, bytes.clone(), left, now)
+                }
+                _ => Err(corrupt("the Redis key holds another type than a string")),
+            };
+            match found {
+                Ok(found) if found.record.is_expired(now) => {}
+                Ok(found) if filter.matches(&key, &found.record, now) => {
+                    page.records.push(Listed {
                         key,
-                        reason: "the Redis key holds another type than a string".to_owned(),
+                        record: found.record,
                     })
                 }
-            };
-            let found = Found::in_time(&key, bytes, left, now)?;
-            if !found.record.is_expired(now) && filter.matches(&key, &found.record, now) {
-                page.records.push(Listed {
-                    key,
-                    record: found.record,
-                });
+                Ok(_) => {}
+                Err(error) => page.unreadable.push(Unreadable { key, error }),
             }
         }
         Ok(page)

@@ -582,6 +582,17 @@ impl SledStoreBuilder {
     }
 }
 
+/// Bytes written as hex (a listing's cursor).
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 impl std::fmt::Debug for SledStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SledStore")
@@ -680,19 +691,34 @@ impl Store for SledStore {
         let (filter, after) = (filter.clone(), after.cloned());
         let walk = move || {
             let now = Timestamp::now();
+            // The cursor is the last key's bytes in hex: a key that is not UTF-8 (no
+            // key idem writes) still pages on.
             let range = match &after {
-                Some(after) => tree.range::<&[u8], _>((
-                    std::ops::Bound::Excluded(after.0.as_bytes()),
-                    std::ops::Bound::Unbounded,
-                )),
+                Some(after) => {
+                    let from = unhex(&after.0).ok_or_else(|| {
+                        Error::store("sled", "a listing cursor this store did not make")
+                    })?;
+                    tree.range::<Vec<u8>, _>((
+                        std::ops::Bound::Excluded(from),
+                        std::ops::Bound::Unbounded,
+                    ))
+                }
                 None => tree.iter(),
             };
             let entries = range.filter_map(|entry| match entry {
                 Ok((k, bytes)) => {
+                    let cursor = Cursor(k.iter().map(|b| format!("{b:02x}")).collect());
                     let key = Key::from_text(String::from_utf8_lossy(&k));
-                    match Record::decode(key.as_str(), &bytes) {
+                    let record = match std::str::from_utf8(&k) {
+                        Ok(_) => Record::decode(key.as_str(), &bytes),
+                        Err(_) => Err(Error::CorruptRecord {
+                            key: key.clone(),
+                            reason: "the key is not UTF-8: no key idem writes".to_owned(),
+                        }),
+                    };
+                    match record {
                         Ok(record) if record.is_expired(now) => None,
-                        record => Some(Ok((key, record))),
+                        record => Some(Ok((cursor, key, record))),
                     }
                 }
                 Err(e) => Some(Err(sled_error(e))),
