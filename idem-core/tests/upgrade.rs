@@ -499,55 +499,65 @@ async fn postgres_records_results_jsonb_refuses() {
         .unwrap();
 }
 
-/// A table whose `idem_try_jsonb` function is missing (migrated by hand, or by a
-/// build before the function; a worker that only `build()`s never creates it) still
-/// records every outcome, with `result` NULL: a completion that failed would make each
-/// retry run the body again.
+/// A result the database's encoding cannot hold (a `€` in a LATIN1 database) is still
+/// recorded, with `result` NULL: a completion that failed would make each retry run the
+/// body again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_records_outcomes_without_the_jsonb_function() {
+async fn postgres_records_outcomes_the_database_encoding_cannot_hold() {
     let Some(url) = env("IDEM_POSTGRES_URL") else {
         return;
     };
-    let schema = unique("idem_nofn");
+    let db = unique("idem_latin1");
     let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
     client
-        .batch_execute(&format!("CREATE SCHEMA {schema}"))
+        .batch_execute(&format!(
+            "CREATE DATABASE {db} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+        ))
         .await
         .unwrap();
-    let t = format!("{schema}.records");
-    PostgresStore::builder(&url)
-        .table(&t)
-        .connect()
-        .await
-        .unwrap();
-    client
-        .batch_execute(&format!("DROP FUNCTION {schema}.idem_try_jsonb(text)"))
-        .await
-        .unwrap();
-    let store: Arc<dyn Store> = Arc::new(PostgresStore::builder(&url).table(&t).build().unwrap());
-    let run = Run::new("no-function").with_shared_store(store.clone());
-    let ran = Arc::new(AtomicUsize::new(0));
-    for _ in 0..3 {
-        assert_eq!(send(&run, 7, &ran).await.unwrap(), "fresh-7");
+    let db_url = match url.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{db}"),
+        None => panic!("IDEM_POSTGRES_URL names no database: {url}"),
+    };
+    {
+        let store: Arc<dyn Store> = Arc::new(PostgresStore::connect(&db_url).await.unwrap());
+        let run = Run::new("latin1").with_shared_store(store.clone());
+        let ran = Arc::new(AtomicUsize::new(0));
+        let euro = |ran: &Arc<AtomicUsize>| {
+            let ran = ran.clone();
+            execute::<Result<String, Error>, ReleaseErrors, _>(Ok(call(&run, 9)), async move {
+                ran.fetch_add(1, SeqCst);
+                Ok("12 €".to_owned())
+            })
+        };
+        for _ in 0..3 {
+            assert_eq!(euro(&ran).await.unwrap().unwrap(), "12 €");
+        }
+        assert_eq!(
+            ran.load(SeqCst),
+            1,
+            "the body ran again: its outcome was not recorded"
+        );
+        let record = store.get(call(&run, 9).key()).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            State::Completed {
+                result: "\"12 €\"".as_bytes().to_vec()
+            }
+        );
     }
-    assert_eq!(
-        ran.load(SeqCst),
-        1,
-        "the body ran again: its outcome was not recorded"
-    );
-    let result: Option<String> = client
-        .query_one(&format!("SELECT result::text FROM {t}"), &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(result, None);
-    client
-        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
-        .await
-        .unwrap();
+    // The store's connections close with it; give the server a moment to see them go.
+    for _ in 0..50 {
+        let dropped = client.batch_execute(&format!("DROP DATABASE {db}")).await;
+        if dropped.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("could not drop database {db}");
 }
 
 /// A migration that fails (its lock given up after the timeout, behind a long

@@ -60,9 +60,9 @@ const STORE: &str = "postgres";
 ///
 /// and, built concurrently by one worker, the listings' indexes: `(run_id, key)`,
 /// `(tool, key)`, `(lease_until) WHERE state = 0`, and `(key) WHERE result IS NULL AND
-/// state <> 0` (results still to fill). `result` is written through `idem_try_jsonb`, a
-/// function created beside the table that gives NULL for text `jsonb` refuses, so no
-/// result can fail its completion. A table of idem 0.1 (without the metadata) is
+/// state <> 0` (results still to fill). A result `jsonb` refuses (a `\u0000` escape, a
+/// number beyond `numeric`) fails the completion's statement, which is then made again
+/// with `result` NULL: no result fails its completion. A table of idem 0.1 (without the metadata) is
 /// upgraded in place: each step runs only when its object is missing, the columns are
 /// added without a rewrite under a lock given up after the timeout, and results are
 /// filled 1,000 rows a statement (`docs/operations.md`).
@@ -339,7 +339,6 @@ const MAX_MS: i64 = 9_000_000_000_000_000;
 
 impl Sql {
     fn new(t: &str) -> Self {
-        let jsonb = jsonb_function(t);
         // An outcome's write, with `result` set to `result` (its text through the
         // function, or NULL when the server refuses that).
         let complete = |result: &str| {
@@ -396,14 +395,14 @@ impl Sql {
                  RETURNING 1"
             ),
             // $6: the result as text for `result`, or NULL (see `as_text`).
-            complete: complete(&format!("{jsonb}($6::text)")),
+            complete: complete("$6::text::jsonb"),
             complete_plain: complete("NULL"),
             renew: format!(
                 "UPDATE {t} SET lease_until = now() + $3::int8 * interval '1 millisecond', \
                  expires_at = now() + $4::int8 * interval '1 millisecond', renewed_at = now() \
                  WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
             ),
-            resolve_completed: resolve_completed(&format!("{jsonb}($5::text)")),
+            resolve_completed: resolve_completed("$5::text::jsonb"),
             resolve_completed_plain: resolve_completed("NULL"),
             resolve_released: format!(
                 "DELETE FROM {t} WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
@@ -554,34 +553,23 @@ fn conditions(filter: &Filter, params: &mut Params) -> String {
     sql
 }
 
-/// A result as text for the `result jsonb` column, or `None` if it is not UTF-8. The
-/// text goes through [`jsonb_function`], which gives NULL for anything `jsonb` refuses
-/// (a `\u0000` escape, a number out of `numeric`'s range), so that a result can never
-/// fail the statement that records it. The exact bytes stay in `payload` either way,
-/// and replays read those.
+/// A result as text for the `result jsonb` column, or `None` if it is not UTF-8 or holds
+/// a NUL. Text `jsonb` refuses fails the statement, which is then made again without it
+/// (see `PostgresStore::recorded`). The exact bytes stay in `payload` either way, and
+/// replays read those.
 fn as_text(payload: &[u8]) -> Option<&str> {
     std::str::from_utf8(payload)
         .ok()
         .filter(|text| !text.contains('\0'))
 }
 
-/// Whether the server refused an outcome's write for its `result` text: a data error
-/// (class 22: an encoding that cannot hold a character, a NUL) or a missing function
-/// (42883). Nothing was written; the write can be made without it.
+/// Whether the server refused a write for its `result` text: a data error (class 22:
+/// JSON `jsonb` refuses, a number beyond `numeric`, an encoding that cannot hold a
+/// character) or a limit (class 54: nesting too deep). Nothing was written; the write
+/// can be made without it.
 fn refuses_result(e: &tokio_postgres::Error) -> bool {
-    e.code().is_some_and(|code| {
-        code.code().starts_with("22")
-            || *code == tokio_postgres::error::SqlState::UNDEFINED_FUNCTION
-    })
-}
-
-/// The function `migrate` creates beside the table: `text` to `jsonb`, or NULL where
-/// `jsonb` refuses the text.
-fn jsonb_function(t: &str) -> String {
-    match t.rsplit_once('.') {
-        Some((schema, _)) => format!("{schema}.idem_try_jsonb"),
-        None => "idem_try_jsonb".to_owned(),
-    }
+    e.code()
+        .is_some_and(|code| code.code().starts_with("22") || code.code().starts_with("54"))
 }
 
 /// A Postgres failure with its whole cause: the server's message and SQLSTATE, or the
@@ -691,10 +679,6 @@ impl PostgresStore {
                  {COLUMNS_V2}
              );
              DO $idem$ BEGIN
-                 IF to_regprocedure('{jsonb}(text)') IS NULL THEN
-                     CREATE FUNCTION {jsonb}(t text) RETURNS jsonb LANGUAGE plpgsql IMMUTABLE
-                     AS $f$ BEGIN RETURN t::jsonb; EXCEPTION WHEN OTHERS THEN RETURN NULL; END $f$;
-                 END IF;
                  IF to_regclass('{expires_qualified}') IS NULL THEN
                      CREATE INDEX {expires_index} ON {t} (expires_at);
                  END IF;
@@ -705,7 +689,6 @@ impl PostgresStore {
              END $idem$;
              COMMIT;",
             lock_ms = self.inner.timeout.as_millis(),
-            jsonb = jsonb_function(t),
         );
         let batch = |sql: String| async move { client.batch_execute(&sql).await.map_err(pg_error) };
         net::bounded(STORE, MIGRATE_TIMEOUT, batch(create)).await?;
@@ -780,10 +763,9 @@ impl PostgresStore {
              AND key > $1 ORDER BY key LIMIT 1000"
         );
         let update = format!(
-            "UPDATE {t} AS r SET result = {jsonb}(v.result) \
+            "UPDATE {t} AS r SET result = v.result::jsonb \
              FROM unnest($1::text[], $2::bytea[], $3::text[]) AS v(key, payload, result) \
-             WHERE r.key = v.key AND r.payload = v.payload AND r.state <> 0 AND r.result IS NULL",
-            jsonb = jsonb_function(t),
+             WHERE r.key = v.key AND r.payload = v.payload AND r.state <> 0 AND r.result IS NULL"
         );
         let (mut after, mut filled) = (String::new(), 0u64);
         loop {
@@ -802,14 +784,32 @@ impl PostgresStore {
                     payloads.push(payload);
                 }
             }
-            filled += self
-                .bounded(async {
-                    client
-                        .execute(&update, &[&keys, &payloads, &results])
-                        .await
-                        .map_err(pg_error)
+            let update = &update;
+            let fill = |keys: &[String], payloads: &[Vec<u8>], results: &[String]| {
+                let (keys, payloads, results) =
+                    (keys.to_vec(), payloads.to_vec(), results.to_vec());
+                self.bounded(async move {
+                    Ok(client.execute(update, &[&keys, &payloads, &results]).await)
                 })
-                .await?;
+            };
+            filled += match fill(&keys, &payloads, &results).await? {
+                Ok(n) => n,
+                // A result `jsonb` refuses fails its batch: fill the batch's rows one by
+                // one, leaving that one NULL.
+                Err(e) if refuses_result(&e) => {
+                    let mut n = 0;
+                    for i in 0..keys.len() {
+                        let one = fill(&keys[i..=i], &payloads[i..=i], &results[i..=i]).await?;
+                        match one {
+                            Ok(done) => n += done,
+                            Err(e) if refuses_result(&e) => {}
+                            Err(e) => return Err(pg_error(e)),
+                        }
+                    }
+                    n
+                }
+                Err(e) => return Err(pg_error(e)),
+            };
         }
         if filled > 0 {
             tracing::info!(table = %t, rows = filled, "idem: filled the `result` column of existing records");
@@ -857,10 +857,10 @@ impl PostgresStore {
     }
 
     /// Records an outcome with `sql`, whose last parameter is the result's text for the
-    /// `result` column. Where the server refuses that text (an encoding that cannot hold
-    /// it, a NUL byte, a table `migrate` has not upgraded: no `idem_try_jsonb`), the
-    /// write is made again with `plain`, which leaves `result` NULL: the outcome is
-    /// recorded either way, since a retry that found none would run the body again.
+    /// `result` column. Where the server refuses that text (JSON `jsonb` refuses, a
+    /// number beyond `numeric`, an encoding that cannot hold it), the write is made
+    /// again with `plain`, which leaves `result` NULL: the outcome is recorded either
+    /// way, since a retry that found none would run the body again.
     async fn recorded(
         &self,
         (sql, plain): (&str, &str),
@@ -874,7 +874,7 @@ impl PostgresStore {
         match first.await {
             Ok(n) => Ok(n),
             Err(e) if refuses_result(&e) => {
-                tracing::warn!(table = %self.inner.table, error = %e, "idem: the `result` column is left NULL for this outcome (run `migrate()` if the function is missing)");
+                tracing::debug!(table = %self.inner.table, error = %e, "idem: the `result` column is left NULL for this outcome");
                 let stmt = client.prepare_cached(plain).await.map_err(pg_error)?;
                 let without_text = &params[..params.len() - 1];
                 client.execute(&stmt, without_text).await.map_err(pg_error)
