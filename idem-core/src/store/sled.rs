@@ -114,10 +114,14 @@ fn held_elsewhere(path: &Path, source: std::io::Error) -> Error {
     )
 }
 
-fn open_db(path: &Path) -> Result<::sled::Db, Error> {
+fn open_db(path: &Path, cache_bytes: Option<u64>) -> Result<::sled::Db, Error> {
     let mut cleared = false;
     loop {
-        match ::sled::Config::new().path(path).open() {
+        let mut config = ::sled::Config::new().path(path);
+        if let Some(bytes) = cache_bytes {
+            config = config.cache_capacity(bytes);
+        }
+        match config.open() {
             Ok(db) => return Ok(db),
             Err(::sled::Error::Io(e)) if e.to_string().contains("could not acquire lock") => {
                 if !closed_here_lately(path) {
@@ -205,10 +209,11 @@ impl SledStore {
         SledStoreBuilder {
             path: path.as_ref().to_owned(),
             fsync: false,
+            cache_bytes: None,
         }
     }
 
-    fn open_with(path: &Path, fsync: bool) -> Result<Self, Error> {
+    fn open_with(path: &Path, fsync: bool, cache_bytes: Option<u64>) -> Result<Self, Error> {
         std::fs::create_dir_all(path).map_err(|e| {
             Error::store(
                 "sled",
@@ -238,7 +243,7 @@ impl SledStore {
             }
             return Ok(SledStore { inner });
         }
-        let db = open_db(&path)?;
+        let db = open_db(&path, cache_bytes)?;
         let tree = db.open_tree(Self::TREE).map_err(sled_error)?;
         let fsync = if fsync {
             Some(Arc::new(sync_new_database(&path, &db)?))
@@ -564,6 +569,7 @@ fn sync_new_database(path: &Path, db: &::sled::Db) -> Result<std::fs::File, Erro
 pub struct SledStoreBuilder {
     path: PathBuf,
     fsync: bool,
+    cache_bytes: Option<u64>,
 }
 
 impl SledStoreBuilder {
@@ -576,9 +582,17 @@ impl SledStoreBuilder {
         self
     }
 
+    /// The most memory sled's page cache takes (sled's default: 1 GiB). A process that
+    /// walks a large store once, as the `idem` command does, needs little. Ignored when
+    /// the directory is already open in this process.
+    pub fn cache_bytes(mut self, bytes: u64) -> Self {
+        self.cache_bytes = Some(bytes);
+        self
+    }
+
     /// Opens (creating if needed) the store. See [`SledStore::open`].
     pub fn open(self) -> Result<SledStore, Error> {
-        SledStore::open_with(&self.path, self.fsync)
+        SledStore::open_with(&self.path, self.fsync, self.cache_bytes)
     }
 }
 
