@@ -39,12 +39,7 @@ async fn charge_card(
     base: &str,
     bookkeeping_ms: u64,
 ) -> Result<Charge, PaymentError> {
-    let key = idem::current_key().ok_or_else(|| PaymentError::Provider("no key".into()))?;
-    let (charge, _) = provider::charge(http, base, key.as_str(), &input)
-        .await
-        .map_err(PaymentError::Provider)?;
-    tokio::time::sleep(Duration::from_millis(bookkeeping_ms)).await;
-    Ok(charge)
+    charge_card_body(input, http, base, bookkeeping_ms).await
 }
 
 /// The payment tool at most once, for a provider that does not deduplicate: it sends
@@ -67,6 +62,8 @@ async fn charge_card_once(
     charge_card_body(input, http, base, bookkeeping_ms).await
 }
 
+/// What every payment tool here does: one charge through the provider, carrying idem's
+/// key, then `bookkeeping_ms` of bookkeeping.
 async fn charge_card_body(
     input: ChargeRequest,
     http: &reqwest::Client,

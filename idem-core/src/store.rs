@@ -750,10 +750,12 @@ const WALK_PAGE: usize = 1_000;
 
 /// A page of `limit` records from a sorted stream of keyed records: the listing of a
 /// store whose keys are in order. `entries` yields every live key in key order, from
-/// where the page starts, with the cursor that starts after it, and its record or the
-/// reason it cannot be read; an `Err` item fails the page.
-pub(crate) fn page_by_key(
-    entries: impl Iterator<Item = Result<(Cursor, Key, Result<Record, Error>), Error>>,
+/// where the page starts, with its place in the store (`P`) and its record or the
+/// reason it cannot be read; an `Err` item fails the page. `cursor` makes the next
+/// page's cursor of the last place read, once, when there is a next page.
+pub(crate) fn page_by_key<P>(
+    entries: impl Iterator<Item = Result<(P, Key, Result<Record, Error>), Error>>,
+    cursor: impl FnOnce(P) -> Cursor,
     filter: &Filter,
     limit: usize,
     now: Timestamp,
@@ -765,12 +767,12 @@ pub(crate) fn page_by_key(
     };
     let mut last = None;
     for entry in entries {
-        let (cursor, key, record) = entry?;
+        let (place, key, record) = entry?;
         if page.records.len() + page.unreadable.len() == limit {
-            page.next = last;
+            page.next = last.map(cursor);
             break;
         }
-        last = Some(cursor);
+        last = Some(place);
         match record {
             Ok(record) if filter.matches(&key, &record, now) => {
                 page.records.push(Listed { key, record })

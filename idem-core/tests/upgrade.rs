@@ -173,6 +173,17 @@ fn table_of_0_1(t: &str) -> String {
     )
 }
 
+/// `n` completed rows as 0.1 wrote them, under keys `send_email.<i in hex>`, each with
+/// the result `{"message_id":"m-<i>"}`.
+fn completed_rows_of_0_1(t: &str, n: u32) -> String {
+    format!(
+        "INSERT INTO {t} SELECT 'send_email.' || lpad(to_hex(i), 64, '0'), \
+             decode(repeat('07', 32), 'hex'), 1, decode(repeat('00', 16), 'hex'), NULL, \
+             convert_to('{{\"message_id\":\"m-' || i || '\"}}', 'UTF8'), now(), now() + interval '1 hour' \
+         FROM generate_series(1, {n}) AS i;"
+    )
+}
+
 /// 0.1's claim of a fresh key, as a 0.1 worker sends it during the upgrade.
 fn claim_of_0_1(t: &str) -> String {
     format!(
@@ -197,10 +208,7 @@ async fn postgres_migrate_upgrades_a_table_of_0_1_in_place_while_0_1_workers_cal
     // in progress, a result jsonb refuses (a NUL escape), and the one call 1 replays.
     client
         .batch_execute(&format!(
-            "INSERT INTO {t} SELECT 'send_email.' || lpad(to_hex(i), 64, '0'), \
-                 decode(repeat('07', 32), 'hex'), 1, decode(repeat('00', 16), 'hex'), NULL, \
-                 convert_to('{{\"message_id\":\"m-' || i || '\"}}', 'UTF8'), now(), now() + interval '1 hour' \
-             FROM generate_series(1, 20000) AS i;
+            "{}
              INSERT INTO {t} VALUES ('charge_card.1', decode(repeat('07', 32), 'hex'), 2, \
                  decode(repeat('00', 16), 'hex'), NULL, convert_to('\"declined\"', 'UTF8'), now(), now() + interval '1 hour');
              INSERT INTO {t} VALUES ('charge_card.2', decode(repeat('07', 32), 'hex'), 0, \
@@ -208,7 +216,8 @@ async fn postgres_migrate_upgrades_a_table_of_0_1_in_place_while_0_1_workers_cal
              INSERT INTO {t} VALUES ('charge_card.3', decode(repeat('07', 32), 'hex'), 1, \
                  decode(repeat('00', 16), 'hex'), NULL, convert_to('\"a\\u0000b\"', 'UTF8'), now(), now() + interval '1 hour');
              INSERT INTO {t} VALUES ('charge_card.4', decode(repeat('07', 32), 'hex'), 1, \
-                 decode(repeat('00', 16), 'hex'), NULL, convert_to('{{\"rate\":1e999999}}', 'UTF8'), now(), now() + interval '1 hour');"
+                 decode(repeat('00', 16), 'hex'), NULL, convert_to('{{\"rate\":1e999999}}', 'UTF8'), now(), now() + interval '1 hour');",
+            completed_rows_of_0_1(&t, 20_000)
         ))
         .await
         .unwrap();
@@ -389,12 +398,7 @@ async fn postgres_workers_starting_together_migrate_a_table_of_0_1_once() {
     tokio::spawn(conn);
     client.batch_execute(&table_of_0_1(&t)).await.unwrap();
     client
-        .batch_execute(&format!(
-            "INSERT INTO {t} SELECT 'send_email.' || lpad(to_hex(i), 64, '0'), \
-                 decode(repeat('07', 32), 'hex'), 1, decode(repeat('00', 16), 'hex'), NULL, \
-                 convert_to('{{\"message_id\":\"m-' || i || '\"}}', 'UTF8'), now(), now() + interval '1 hour' \
-             FROM generate_series(1, 5000) AS i"
-        ))
+        .batch_execute(&completed_rows_of_0_1(&t, 5_000))
         .await
         .unwrap();
     let workers: Vec<_> = (0..6)

@@ -207,11 +207,11 @@ impl Store for MemoryStore {
             found.truncate(keep);
         }
         found.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        let entries = found.into_iter().map(|(key, record)| {
-            let cursor = Cursor(key.as_str().to_owned());
-            Ok((cursor, key, Ok(Record::clone(&record))))
-        });
-        page_by_key(entries, filter, limit, now)
+        let entries = found
+            .into_iter()
+            .map(|(key, record)| Ok((key.clone(), key, Ok(Record::clone(&record)))));
+        let cursor = |key: Key| Cursor(key.as_str().to_owned());
+        page_by_key(entries, cursor, filter, limit, now)
     }
 
     /// One walk of the maps.

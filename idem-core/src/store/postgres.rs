@@ -784,14 +784,8 @@ impl PostgresStore {
                     payloads.push(payload);
                 }
             }
-            let update = &update;
-            let fill = |keys: &[String], payloads: &[Vec<u8>], results: &[String]| {
-                let (keys, payloads, results) =
-                    (keys.to_vec(), payloads.to_vec(), results.to_vec());
-                self.bounded(async move {
-                    Ok(client.execute(update, &[&keys, &payloads, &results]).await)
-                })
-            };
+            let fill =
+                |keys, payloads, results| self.fill_batch(client, &update, keys, payloads, results);
             filled += match fill(&keys, &payloads, &results).await? {
                 Ok(n) => n,
                 // A result `jsonb` refuses fails its batch: fill the batch's rows one by
@@ -815,6 +809,20 @@ impl PostgresStore {
             tracing::info!(table = %t, rows = filled, "idem: filled the `result` column of existing records");
         }
         Ok(())
+    }
+
+    /// One statement of `fill_results`: the store's failure, or the server's answer
+    /// (which may refuse a result).
+    async fn fill_batch(
+        &self,
+        client: &deadpool_postgres::Object,
+        update: &str,
+        keys: &[String],
+        payloads: &[Vec<u8>],
+        results: &[String],
+    ) -> Result<Result<u64, tokio_postgres::Error>, Error> {
+        self.bounded(async { Ok(client.execute(update, &[&keys, &payloads, &results]).await) })
+            .await
     }
 
     /// Runs `f` within the store's timeout.

@@ -721,7 +721,6 @@ impl Store for SledStore {
             };
             let entries = range.filter_map(|entry| match entry {
                 Ok((k, bytes)) => {
-                    let cursor = Cursor(k.iter().map(|b| format!("{b:02x}")).collect());
                     let key = Key::from_text(String::from_utf8_lossy(&k));
                     let record = match std::str::from_utf8(&k) {
                         Ok(_) => Record::decode(key.as_str(), &bytes),
@@ -732,12 +731,13 @@ impl Store for SledStore {
                     };
                     match record {
                         Ok(record) if record.is_expired(now) => None,
-                        record => Some(Ok((cursor, key, record))),
+                        record => Some(Ok((k, key, record))),
                     }
                 }
                 Err(e) => Some(Err(sled_error(e))),
             });
-            page_by_key(entries, &filter, limit, now)
+            let cursor = |k: ::sled::IVec| Cursor(k.iter().map(|b| format!("{b:02x}")).collect());
+            page_by_key(entries, cursor, &filter, limit, now)
         };
         let page = blocking::run(walk)
             .await
