@@ -89,9 +89,10 @@ pub mod key {
 #[doc(hidden)]
 pub mod __private_0_1_0 {
     pub use idem_core::__private::{
-        abandoned, default_tool_name, execute, execute_blocking, execute_finishing,
-        from_idem_error, settle, CacheErrors, Call, KeyInput, ReleaseErrors, Replayable,
-        RunArgument, RunSource, Sorted, ToolOutput,
+        abandoned, ask, default_tool_name, execute, execute_blocking, execute_finishing,
+        from_idem_error, settle, CacheErrors, Call, Checked, Compare, Equality, ErrByJson,
+        ErrByPartialEq, JsonOnly, KeyInput, OkByJson, OkByPartialEq, Probe, ReleaseErrors,
+        Replayable, RunArgument, RunSource, Sorted, ToolOutput,
     };
     pub use idem_core::Options;
 }

@@ -62,7 +62,7 @@ async fn no_run_is_an_error_and_nothing_runs() {
     let before = SENT.load(Ordering::SeqCst);
     let err = send_email(email("ada@x", "hi")).await.unwrap_err();
     assert!(
-        matches!(err, ToolError::Idem(Error::NoRun { ref tool })  if tool == "attribute::send_email")
+        matches!(err, ToolError::Idem(Error::NoRun { ref tool, blank_id: None }) if tool == "attribute::send_email")
     );
     assert_eq!(SENT.load(Ordering::SeqCst), before);
 }

@@ -199,14 +199,16 @@ impl ServerHandler for Mailer {
     }
 }
 
-/// idem's errors as MCP errors. A request without a run id is the client's mistake
-/// (invalid params), named precisely so the client can fix it.
+/// idem's errors as MCP errors. A request without a run id, or with a blank one (every
+/// such client would share one run), is the client's mistake (invalid params), named
+/// precisely so the client can fix it.
 pub fn mcp_error(error: Error) -> ErrorData {
     match error {
-        Error::NoRun { tool } => ErrorData::invalid_params(
+        Error::NoRun { tool, .. } => ErrorData::invalid_params(
             format!(
-                "`{tool}` has side effects and needs the agent's run id: send it as a string \
-                 in the request's _meta[\"{RUN_META_KEY}\"], the same on every retry"
+                "`{tool}` has side effects and needs the agent's run id: send it as a \
+                 non-empty string in the request's _meta[\"{RUN_META_KEY}\"], the same on \
+                 every retry"
             ),
             None,
         ),

@@ -1,16 +1,26 @@
 //! Store operations nobody awaits: a claim settled because its call was dropped, a
-//! renewal sent by the timer thread, an outcome recorded again after the store
-//! failed to take it.
+//! renewal the heartbeat sends, an outcome recorded again after the store failed to
+//! take it.
 //!
 //! [`detach`] polls the operation once in place, then leaves the rest to the runtime it
 //! belongs to. The in-process stores do their work in that first poll (a memory store
 //! completely; sled writes the record there, and only its flush waits), so their part
-//! is done even when no task will ever run again: a runtime shutting down, a call
-//! dropped outside any runtime. A network store's operation goes on on the caller's
-//! runtime, the one its connection lives on, when it can. What is left after the first
-//! poll never blocks the caller: without a runtime, or from a sync tool's call (whose
-//! thread may be the one its runtime runs on, blocked), it goes on on idem's one
-//! background thread.
+//! is done even when no task will ever run again. A network store's operation goes on
+//! on the caller's runtime, the one its connection lives on, when it can.
+//!
+//! Where it cannot, the operation goes to idem's own runtime, on one thread
+//! (`idem-background`) that lives as long as the process: without a runtime, from a
+//! sync tool's call (whose thread may be the one its runtime runs on, blocked), and
+//! from a runtime that is shutting down (`drop(runtime)`, `shutdown_timeout`, the end
+//! of `#[tokio::main]` while a call was under way). A runtime shutting down takes no
+//! new task, and drops those it has: an operation it drops before its end is made
+//! again, from the start, on idem's own runtime ([`Rescue`]), so a claim is settled
+//! in a live process whatever happens to the runtime its call ran on. (A network
+//! store's connections that lived on that runtime are gone with it; its pool opens
+//! new ones.)
+//!
+//! [`spawn`] sends an operation straight to idem's own runtime, polled nowhere else:
+//! the heartbeat's renewals, so that no store's code ever runs on the timer thread.
 
 use std::future::Future;
 use std::panic::{self, AssertUnwindSafe};
@@ -18,44 +28,87 @@ use std::pin::Pin;
 use std::sync::OnceLock;
 use std::task::{Context, Poll, Waker};
 
+/// An operation run in the background.
+pub(crate) type Op = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// How to make an operation again, from the start, if the runtime it ran on drops it
+/// unfinished (it is shutting down): settling a claim again is safe, since every write
+/// that settles one is fenced by its token.
+pub(crate) type Rescue = Box<dyn FnOnce() -> Op + Send>;
+
 /// Runs `operation` to its end without the caller waiting for it: one poll here (inside
-/// `runtime`'s context, if given), then the rest as a task of `runtime`, or, without
-/// one or from a sync tool's call, as a task of idem's own background thread.
+/// `runtime`'s context, if given), then the rest as a task of `runtime`; or, without
+/// one, from a sync tool's call, or when `runtime` is shutting down, on idem's own
+/// runtime (first poll included). If `runtime` drops the task before its end, `rescue`
+/// runs on idem's own runtime instead.
 ///
 /// A panic in the operation (a store's code) is caught and logged: whoever calls this
-/// (a `Drop`, the timer thread) goes on.
+/// (a `Drop`, the heartbeat) goes on.
 pub(crate) fn detach(
     operation: impl Future<Output = ()> + Send + 'static,
+    rescue: Option<Rescue>,
     runtime: Option<&tokio::runtime::Handle>,
 ) {
-    let mut operation: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(operation);
-    let first = panic::catch_unwind(AssertUnwindSafe(|| {
-        let _context = runtime.map(tokio::runtime::Handle::enter);
-        operation
-            .as_mut()
-            .poll(&mut Context::from_waker(Waker::noop()))
-    }));
-    match first {
-        Ok(Poll::Ready(())) => return,
-        Ok(Poll::Pending) => {}
-        Err(_) => return panicked(),
-    }
+    let operation: Op = Box::pin(operation);
     match runtime {
-        // A runtime shutting down drops the task: what the first poll did stays done.
-        Some(runtime) if !crate::blocking::in_sync_tool() => {
-            drop(runtime.spawn(Caught(operation)))
+        Some(runtime) if !crate::blocking::in_sync_tool() && takes_tasks(runtime) => {
+            let mut detached = Detached {
+                operation: Some(operation),
+                rescue,
+            };
+            if detached.first_poll(runtime).is_pending() {
+                drop(runtime.spawn(detached));
+            }
         }
-        _ => match own_runtime() {
-            Some(own) => drop(own.spawn(Caught(operation))),
-            None => tracing::warn!("idem: no thread to finish a store operation nobody awaits; it is left undone (a claim it would settle runs out after its lease)"),
-        },
+        _ => on_own_runtime(operation),
     }
 }
 
-/// A runtime of idem's own, on one thread (`idem-background`), started on first use: for
-/// what is left of an operation whose caller has no runtime, or blocks its runtime's
-/// only thread in a sync tool. One thread for every such operation, however many.
-/// `None` if the OS would not start it.
+/// Runs `operation` on idem's own runtime (see the module docs), never in place.
+pub(crate) fn spawn(operation: impl Future<Output = ()> + Send + 'static) {
+    match own_runtime() {
+        Some(own) => drop(own.spawn(Detached {
+            operation: Some(Box::pin(operation)),
+            rescue: None,
+        })),
+        // No thread of its own: in place, as a last resort.
+        None => detach(operation, None, None),
+    }
+}
+
+/// Runs `operation` on idem's own runtime: its first poll here, inside that runtime's
+/// context (so what it registers, a timer or a connection, belongs to the runtime that
+/// goes on with it), the rest there.
+fn on_own_runtime(operation: Op) {
+    let mut detached = Detached {
+        operation: Some(operation),
+        rescue: None,
+    };
+    let own = own_runtime();
+    if own.is_none() {
+        tracing::warn!("idem: no thread to finish a store operation nobody awaits; it is left undone after its first step (a claim it would settle runs out after its lease)");
+    }
+    if detached.first_poll_in(own).is_ready() {
+        return;
+    }
+    if let Some(own) = own {
+        drop(own.spawn(detached));
+    }
+}
+
+/// Whether `runtime` takes new tasks. One that is shutting down (or gone) cancels a
+/// task as it is spawned, before anyone could poll it: a probe spawned there is
+/// finished with a cancellation at once, which a running runtime never does to a task
+/// nobody aborted.
+fn takes_tasks(runtime: &tokio::runtime::Handle) -> bool {
+    let mut probe = runtime.spawn(std::future::ready(()));
+    let polled = Pin::new(&mut probe).poll(&mut Context::from_waker(Waker::noop()));
+    !matches!(polled, Poll::Ready(Err(error)) if error.is_cancelled())
+}
+
+/// A runtime of idem's own, on one thread (`idem-background`), started on first use; see
+/// the module docs. One thread for every such operation, however many. `None` if the
+/// OS would not start it.
 fn own_runtime() -> Option<&'static tokio::runtime::Handle> {
     static OWN: OnceLock<Option<tokio::runtime::Handle>> = OnceLock::new();
     OWN.get_or_init(|| {
@@ -73,24 +126,63 @@ fn own_runtime() -> Option<&'static tokio::runtime::Handle> {
     .as_ref()
 }
 
-/// An operation whose panic is caught and logged, not left to the runtime.
-struct Caught(Pin<Box<dyn Future<Output = ()> + Send>>);
+/// An operation run in the background: its panic is caught and logged, not left to the
+/// runtime, and dropped before its end (its runtime shut down), it is made again on
+/// idem's own runtime, if it can be.
+struct Detached {
+    /// The operation, until it ends.
+    operation: Option<Op>,
+    rescue: Option<Rescue>,
+}
 
-impl Future for Caught {
-    type Output = ();
+impl Detached {
+    /// The first poll, in `runtime`'s context.
+    fn first_poll(&mut self, runtime: &tokio::runtime::Handle) -> Poll<()> {
+        let _context = runtime.enter();
+        self.poll_once(&mut Context::from_waker(Waker::noop()))
+    }
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let operation = &mut self.0;
-        match panic::catch_unwind(AssertUnwindSafe(|| operation.as_mut().poll(cx))) {
-            Ok(poll) => poll,
-            Err(_) => {
-                panicked();
-                Poll::Ready(())
-            }
+    /// The first poll, in `runtime`'s context if there is one.
+    fn first_poll_in(&mut self, runtime: Option<&tokio::runtime::Handle>) -> Poll<()> {
+        let _context = runtime.map(tokio::runtime::Handle::enter);
+        self.poll_once(&mut Context::from_waker(Waker::noop()))
+    }
+
+    fn poll_once(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(operation) = self.operation.as_mut() else {
+            return Poll::Ready(());
+        };
+        let polled = panic::catch_unwind(AssertUnwindSafe(|| operation.as_mut().poll(cx)));
+        match polled {
+            Ok(Poll::Pending) => return Poll::Pending,
+            Ok(Poll::Ready(())) => {}
+            Err(_) => tracing::error!("idem: a store operation run in the background panicked"),
         }
+        self.operation = None;
+        self.rescue = None;
+        Poll::Ready(())
     }
 }
 
-fn panicked() {
-    tracing::error!("idem: a store operation run in the background panicked");
+impl Future for Detached {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.poll_once(cx)
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        let Some(operation) = self.operation.take() else {
+            return;
+        };
+        // Its runtime is shutting down: what the operation registered there is gone,
+        // so it is made again rather than moved.
+        drop(operation);
+        if let Some(rescue) = self.rescue.take() {
+            tracing::debug!("idem: the runtime of a store operation shut down before its end; making it again on idem's own runtime");
+            on_own_runtime(rescue());
+        }
+    }
 }

@@ -18,15 +18,17 @@ use crate::Key;
 #[non_exhaustive]
 pub enum Error {
     /// The call had no run id: no `Run` argument and no ambient run (`Run::scope` or
-    /// `Run::sync_scope`). idem never derives a key from a missing run id, since every
-    /// run would then share it.
-    #[error(
-        "no run for idempotent tool `{tool}`: call it inside `Run::scope` / `Run::sync_scope`, \
-         or pass a `&Run` argument"
-    )]
+    /// `Run::sync_scope`), or a run whose id is blank (empty, or only whitespace, as a
+    /// request's `_meta["idem/run"] = ""` gives). idem never derives a key from a missing
+    /// run id, since every run would then share it: a second agent's identical call
+    /// would get the first one's result and never run.
+    #[error("{}", no_run(tool, blank_id.as_deref()))]
     NoRun {
         /// The tool that was called.
         tool: String,
+        /// The run's id, when a run was given but its id is blank; `None` when no run
+        /// was given at all.
+        blank_id: Option<String>,
     },
 
     /// The run has no store, and there is no default one: idem was built without its
@@ -96,21 +98,24 @@ pub enum Error {
         expires_in: Duration,
     },
 
-    /// This call ran the operation, but lost its claim while it ran: its process was
-    /// paused past the lease (a stopped process, a VM migration), its renewals could not
-    /// reach the store for a whole lease, or the record was deleted; and another call took
-    /// the key over. This call's result was not stored (fencing); an async body still
-    /// running when the loss was noticed was stopped. The new owner's result is the one the
-    /// store keeps: retry to receive it.
+    /// This call ran the operation, but lost its claim while it ran, and its result was
+    /// not stored (fencing); an async body still running when the loss was noticed was
+    /// stopped. [`LostTo`] says what holds the key now: another call took it over (the
+    /// process was paused past the lease, a stopped process or a VM migration, or its
+    /// renewals could not reach the store for a whole lease), and a retry receives that
+    /// call's outcome; or the record was removed (`idem evict --force`,
+    /// `Store::delete`), nothing is stored, and a retry runs the body again.
     #[error(
-        "lease lost for key `{key}`: this call's claim was taken over or removed while its body \
-         ran (the process was paused past its lease, the store was unreachable for its \
-         renewals, or the record was deleted); its result was not stored: retry to receive the \
-         stored one"
+        "lease lost for key `{key}`: this call's claim was {what} while its body ran; its \
+         result was not stored: {then}",
+        what = lost_to.what(),
+        then = lost_to.then()
     )]
     LostLease {
         /// The idempotency key.
         key: Key,
+        /// What holds the key now.
+        lost_to: LostTo,
     },
 
     /// The body ran longer than the tool's `max_run` and was stopped (dropped at its
@@ -287,7 +292,7 @@ impl Error {
             Error::PayloadMismatch { key }
             | Error::InProgress { key, .. }
             | Error::OutcomeUnknown { key, .. }
-            | Error::LostLease { key }
+            | Error::LostLease { key, .. }
             | Error::MaxRunExceeded { key, .. }
             | Error::Output { key, .. }
             | Error::ResultTooLarge { key, .. }
@@ -327,6 +332,76 @@ impl Error {
             Error::Unsupported { .. } => "unsupported",
             Error::Store { .. } => "store",
         }
+    }
+}
+
+/// What holds a key after the call that claimed it lost its claim
+/// ([`Error::LostLease`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LostTo {
+    /// Another call: it holds the key now, or its outcome is stored. A retry receives
+    /// that outcome (or waits for it).
+    AnotherCall,
+    /// Nothing: the record was removed while the body ran (`idem evict --force`,
+    /// `Store::delete`). Nothing is stored under the key, so a retry runs the body again,
+    /// at-most-once or not.
+    Removal,
+    /// The store could not be read to tell which.
+    Unknown,
+}
+
+impl LostTo {
+    /// What happened to the claim, for the error's message.
+    fn what(self) -> &'static str {
+        match self {
+            LostTo::AnotherCall => {
+                "taken over by another call (this process was paused past its lease, or its \
+                 renewals could not reach the store for a whole lease)"
+            }
+            LostTo::Removal => {
+                "removed (evicted by an operator with `idem evict --force`, or deleted with \
+                 `Store::delete`)"
+            }
+            LostTo::Unknown => "taken over by another call or removed",
+        }
+    }
+
+    /// What a retry gets, for the error's message.
+    fn then(self) -> &'static str {
+        match self {
+            LostTo::AnotherCall => "retry to receive the other call's outcome",
+            LostTo::Removal => "nothing is stored under the key, so a retry runs the body again",
+            LostTo::Unknown => {
+                "the store could not be read to tell which: a retry receives the other call's \
+                 outcome, or runs the body again if the record was removed"
+            }
+        }
+    }
+}
+
+impl fmt::Display for LostTo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LostTo::AnotherCall => "another call",
+            LostTo::Removal => "removal",
+            LostTo::Unknown => "unknown",
+        })
+    }
+}
+
+/// [`Error::NoRun`]'s message.
+fn no_run(tool: &str, blank_id: Option<&str>) -> String {
+    match blank_id {
+        None => format!(
+            "no run for idempotent tool `{tool}`: call it inside `Run::scope` / \
+             `Run::sync_scope`, or pass a `&Run` argument"
+        ),
+        Some(id) => format!(
+            "the run id for idempotent tool `{tool}` is blank ({id:?}): every caller with a \
+             blank run id would share one run, and get each other's results; give each agent \
+             run an id of its own"
+        ),
     }
 }
 

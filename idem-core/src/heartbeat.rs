@@ -1,25 +1,31 @@
-//! The heartbeat: a running body's claim is renewed every third of its lease, so a live
-//! body never loses its key, however long it runs (up to `max_run`); only a dead
-//! process's claim runs out.
+//! The heartbeat: a claim is renewed every third of its lease from when its body starts
+//! until its outcome is recorded (or the claim settled), so a live call never loses its
+//! key, however long its body runs (up to `max_run`) and however long the store takes
+//! to record what it returned; only a dead process's claim runs out.
 //!
-//! The timer thread ([`crate::timer`]) renews the claims of running bodies itself
-//! ([`Beat`]), whatever their task is doing: an async body that blocks its thread, or
-//! waits behind another task on a busy current-thread runtime, keeps its claim as a sync
-//! body does. A renewal is sent when due, counted from when the last one was sent. It
-//! is polled once on the timer thread, where the in-process stores complete it, and a
-//! network store's renewal then goes on on the body's runtime (see
-//! [`crate::background`]).
+//! The timer thread ([`crate::timer`]) keeps each claim's schedule ([`Beat`]), whatever
+//! the body's task is doing: an async body that blocks its thread, or waits behind
+//! another task on a busy current-thread runtime, keeps its claim as a sync body does.
+//! A renewal is sent when due, counted from when the last one was sent, and runs on
+//! idem's own runtime ([`crate::background::spawn`]), never on the timer thread: a
+//! store that blocks (sled's writes wait for its IO under a flood of writes) delays
+//! its own renewals, not every wait and renewal in the process.
 //!
 //! The heartbeat also tells an async body when to stop ([`drive`]): at `max_run`, or
 //! when a renewal found its claim taken over. Every body registers with the timer
 //! thread before it first runs (a body may block its thread before it ever waits),
 //! which costs a lock and no store round trip; its first renewal is due a third of a
-//! lease later, and a body that has ended is forgotten at once. A sync body cannot be
+//! lease later. Once the body has ended ([`Beat::body_ended`]), `max_run` no longer
+//! applies: the claim is renewed while its outcome is written. A sync body cannot be
 //! stopped from outside: at `max_run` its renewals stop.
+//!
+//! A claim given up without an outcome is first let go of here ([`Beat::stop`]), which
+//! waits for a renewal still in flight: one that landed after the claim was given up
+//! as abandoned would make it live again for a lease.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
@@ -58,10 +64,9 @@ pub(crate) enum Ran<T> {
     Lost,
 }
 
-/// Polls `body` to the end while the timer thread renews its claim; stops it at
-/// `max_run`, or when a renewal finds the claim gone (see the module docs).
-pub(crate) async fn drive<F: Future>(mut body: Pin<&mut F>, lease: &Lease<'_>) -> Ran<F::Output> {
-    let beat = Beat::start(lease);
+/// Polls `body` to the end while `beat` renews its claim; stops it at `max_run`, or
+/// when a renewal finds the claim gone (see the module docs).
+pub(crate) async fn drive<F: Future>(mut body: Pin<&mut F>, beat: &Beat) -> Ran<F::Output> {
     std::future::poll_fn(|cx| {
         if let Poll::Ready(output) = body.as_mut().poll(cx) {
             return Poll::Ready(Ran::Finished(output));
@@ -86,12 +91,12 @@ enum BeatState {
 const RUNNING: u8 = 0;
 const OVER_MAX_RUN: u8 = 1;
 const LOST: u8 = 2;
-/// The body ended: nothing more to renew.
+/// Let go of: nothing more to renew.
 const ENDED: u8 = 3;
 
-/// A claim renewed by the timer thread while this handle lives.
+/// A claim renewed while this handle lives (see the module docs).
 pub(crate) struct Beat {
-    entry: Option<(u64, Arc<Entry>)>,
+    entry: Option<Arc<Entry>>,
 }
 
 struct Entry {
@@ -100,8 +105,8 @@ struct Entry {
     store: Arc<dyn Store>,
     key: Key,
     tool: Arc<str>,
-    /// The call's span while its body runs; let go when it ends, so that a renewal
-    /// still in flight does not hold the span open after the call.
+    /// The call's span while its claim is renewed; let go of at the end, so that a
+    /// renewal still in flight does not hold the span open after the call.
     span: Mutex<Option<tracing::Span>>,
     token: Token,
     lease: Duration,
@@ -109,15 +114,20 @@ struct Entry {
     every: Duration,
     deadline: Option<Instant>,
     max_run: Duration,
-    /// The runtime the body runs on, where a renewal that must wait goes on.
-    runtime: Option<tokio::runtime::Handle>,
     state: AtomicU8,
+    /// The body has ended: `max_run` no longer applies, and a renewal that finds the
+    /// claim gone (its outcome recorded meanwhile) is no news.
+    body_ended: AtomicBool,
+    /// Renewals sent and not yet answered (see [`Beat::stop`]).
+    in_flight: AtomicUsize,
+    /// Fired when a renewal in flight is answered.
+    answered: event_listener::Event,
     /// The async body's task, woken when it must stop.
     waker: Mutex<Option<Waker>>,
 }
 
 impl Beat {
-    /// Starts renewing the claim `lease` describes, on the timer thread.
+    /// Starts renewing the claim `lease` describes, from now.
     pub(crate) fn start(lease: &Lease<'_>) -> Beat {
         let options = lease.options;
         let now = Instant::now();
@@ -134,8 +144,10 @@ impl Beat {
             every: options.renew_every(),
             deadline: now.checked_add(options.max_run),
             max_run: options.max_run,
-            runtime: tokio::runtime::Handle::try_current().ok(),
             state: AtomicU8::new(RUNNING),
+            body_ended: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            answered: event_listener::Event::new(),
             waker: Mutex::new(None),
         });
         if !timer::register(
@@ -145,14 +157,41 @@ impl Beat {
         ) {
             return Beat { entry: None };
         }
-        Beat {
-            entry: Some((entry.id, entry)),
+        Beat { entry: Some(entry) }
+    }
+
+    /// The body has ended; the claim is renewed on, past `max_run`, until the call lets
+    /// go of it (its outcome recorded, or its claim settled).
+    pub(crate) fn body_ended(&self) {
+        if let Some(entry) = &self.entry {
+            entry.body_ended.store(true, AtomicOrdering::SeqCst);
         }
+    }
+
+    /// No claim: renews nothing.
+    pub(crate) const fn none() -> Beat {
+        Beat { entry: None }
+    }
+
+    /// Stops renewing the claim: no renewal is sent after this. One sent before may
+    /// still be in flight: [`Quiet::wait`] waits for it.
+    pub(crate) fn end(mut self) -> Quiet {
+        let entry = self.entry.take();
+        if let Some(entry) = &entry {
+            entry.end();
+        }
+        Quiet(entry)
+    }
+
+    /// Stops renewing the claim, and returns once no renewal is in flight (see
+    /// [`Quiet::wait`]).
+    pub(crate) async fn stop(self) {
+        self.end().wait().await
     }
 
     /// Where the claim stands; `waker` is woken when that changes.
     fn watch(&self, waker: &Waker) -> BeatState {
-        let Some((_, entry)) = &self.entry else {
+        let Some(entry) = &self.entry else {
             return BeatState::Running;
         };
         {
@@ -171,18 +210,63 @@ impl Beat {
     }
 }
 
+/// A claim whose renewals were stopped ([`Beat::end`]).
+#[derive(Clone)]
+pub(crate) struct Quiet(Option<Arc<Entry>>);
+
+impl Quiet {
+    /// Returns once no renewal of the claim is in flight, so that none lands after the
+    /// claim is settled; or once a lease has passed waiting for one (a store that never
+    /// answers).
+    pub(crate) async fn wait(self) {
+        let Some(entry) = self.0 else {
+            return;
+        };
+        // A renewal sent before the end is waited for; one about to be sent saw the end
+        // (see `Entry::tick`).
+        let until = Instant::now().checked_add(entry.lease);
+        loop {
+            let answered = entry.answered.listen();
+            if entry.in_flight.load(AtomicOrdering::SeqCst) == 0 {
+                return;
+            }
+            let Some(until) = until.filter(|until| *until > Instant::now()) else {
+                return;
+            };
+            either(answered, timer::sleep_until(until)).await;
+        }
+    }
+}
+
+/// Waits for either of two futures.
+async fn either(a: impl Future<Output = ()>, b: impl Future<Output = ()>) {
+    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
+    std::future::poll_fn(|cx| {
+        if a.as_mut().poll(cx).is_ready() || b.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        Poll::Pending
+    })
+    .await
+}
+
 impl Drop for Beat {
     fn drop(&mut self) {
-        if let Some((id, entry)) = self.entry.take() {
-            entry.state.store(ENDED, AtomicOrdering::SeqCst);
-            crate::sync::lock(&entry.span).take();
-            timer::forget(id);
+        if let Some(entry) = self.entry.take() {
+            entry.end();
         }
     }
 }
 
 impl Entry {
-    /// Runs `f` in the call's span, if its body still runs (see [`in_span`]).
+    /// Stops renewing: no renewal is sent after this.
+    fn end(&self) {
+        self.state.store(ENDED, AtomicOrdering::SeqCst);
+        crate::sync::lock(&self.span).take();
+        timer::forget(self.id);
+    }
+
+    /// Runs `f` in the call's span, if its claim is still renewed (see [`in_span`]).
     fn in_span(&self, f: impl FnOnce()) {
         let span = crate::sync::lock(&self.span).clone();
         match span {
@@ -194,8 +278,12 @@ impl Entry {
     /// When to look at this claim next: its next renewal, or its deadline if sooner.
     fn next(&self, after: Instant) -> Instant {
         let renewal = after + self.every;
-        self.deadline
-            .map_or(renewal, |deadline| renewal.min(deadline))
+        match self.deadline {
+            Some(deadline) if !self.body_ended.load(AtomicOrdering::SeqCst) => {
+                renewal.min(deadline)
+            }
+            _ => renewal,
+        }
     }
 
     /// Moves a running claim to `state` and wakes its body.
@@ -222,7 +310,10 @@ impl Entry {
         match renewed {
             Ok(Fenced::Applied) => {}
             Ok(Fenced::LostLease) => {
-                if self.state.load(AtomicOrdering::SeqCst) == RUNNING {
+                // After the body, the outcome may have been recorded meanwhile: the
+                // call learns from its own write whether the claim was still its.
+                let running = self.state.load(AtomicOrdering::SeqCst) == RUNNING;
+                if running && !self.body_ended.load(AtomicOrdering::SeqCst) {
                     self.in_span(|| {
                         tracing::warn!(tool = %self.tool, key = %self.key, "idem: the claim was taken over or removed while the body ran; stopping it")
                     });
@@ -230,24 +321,32 @@ impl Entry {
                 self.stop(LOST);
             }
             Err(error) => {
-                self.in_span(|| {
-                    tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again")
-                });
-                timer::tick_at(self.id, Instant::now() + retry_after(self.every));
+                if self.state.load(AtomicOrdering::SeqCst) == RUNNING {
+                    self.in_span(|| {
+                        tracing::warn!(tool = %self.tool, key = %self.key, %error, "idem: could not renew the claim; trying again")
+                    });
+                    timer::tick_at(self.id, Instant::now() + retry_after(self.every));
+                }
             }
         }
     }
 }
 
 impl Periodic for Entry {
-    /// Renews the claim, or stops its body at its deadline; returns when to look at it
-    /// next, if ever.
+    /// Sends a renewal, or stops the body at its deadline; returns when to look at the
+    /// claim next, if ever.
     fn tick(self: Arc<Self>) -> Option<Instant> {
+        // Counted before the state is read, and `Beat::stop` reads the count after it
+        // ends the state: either this tick sees the end and sends nothing, or the stop
+        // sees this renewal in flight and waits for it.
+        self.in_flight.fetch_add(1, AtomicOrdering::SeqCst);
+        let flight = InFlight(Arc::clone(&self));
         if self.state.load(AtomicOrdering::SeqCst) != RUNNING {
             return None;
         }
         let now = Instant::now();
-        if self.deadline.is_some_and(|deadline| now >= deadline) {
+        let over = self.deadline.is_some_and(|deadline| now >= deadline);
+        if over && !self.body_ended.load(AtomicOrdering::SeqCst) {
             self.in_span(|| {
                 tracing::warn!(tool = %self.tool, key = %self.key, max_run = %Human(self.max_run), "idem: the body ran past its max_run; its claim is no longer renewed")
             });
@@ -255,17 +354,24 @@ impl Periodic for Entry {
             return None;
         }
         let next = self.next(now);
-        let runtime = self.runtime.clone();
-        background::detach(
-            async move {
-                let renewing = self
-                    .store
-                    .renew(&self.key, self.token, self.lease, self.ttl);
-                let renewed = store_op(self.store.name(), "renew", renewing).await;
-                self.renewed(renewed);
-            },
-            runtime.as_ref(),
-        );
+        background::spawn(async move {
+            let renewing = self
+                .store
+                .renew(&self.key, self.token, self.lease, self.ttl);
+            let renewed = store_op(self.store.name(), "renew", renewing).await;
+            self.renewed(renewed);
+            drop(flight);
+        });
         Some(next)
+    }
+}
+
+/// A renewal in flight, until it is answered (or found it had nothing to send).
+struct InFlight(Arc<Entry>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, AtomicOrdering::SeqCst);
+        self.0.answered.notify(usize::MAX);
     }
 }

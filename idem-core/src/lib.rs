@@ -41,6 +41,7 @@ mod key;
 mod key_text;
 mod options;
 mod protocol;
+mod read_back;
 mod reconcile;
 mod record;
 mod run;
@@ -58,7 +59,7 @@ pub mod input {
     pub use crate::key::{sorted, Sorted};
 }
 
-pub use error::Error;
+pub use error::{Error, LostTo};
 pub use key_text::Key;
 pub use options::{Delivery, OnBusy, Options};
 pub use reconcile::Reconciled;
@@ -82,9 +83,12 @@ pub use telemetry::{observe, observe_sync, CallOutcome, CallReport};
 pub mod __private {
     pub use crate::key::{default_tool_name, KeyInput, Sorted};
     pub use crate::protocol::{
-        execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Call,
-        ErrorCodec, ErrorPolicy, FinishesAlone, ReleaseErrors, Replayable, RunArgument, RunSource,
-        ToolOutput,
+        execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Call, Checked,
+        Compare, ErrorCodec, ErrorPolicy, FinishesAlone, ReleaseErrors, Replayable, RunArgument,
+        RunSource, ToolOutput,
     };
-    pub use crate::reconcile::{abandoned, settle, Abandoned};
+    pub use crate::read_back::{
+        Equality, ErrByJson, ErrByPartialEq, JsonOnly, OkByJson, OkByPartialEq, Probe,
+    };
+    pub use crate::reconcile::{abandoned, ask, settle, Abandoned};
 }

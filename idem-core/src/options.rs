@@ -38,7 +38,7 @@ pub enum OnBusy {
 ///
 /// Defaults: `ttl` 24 hours, `lease` 15 seconds (renewed every 5 seconds while the body
 /// runs), `max_run` 10 minutes, a concurrent duplicate waits for the first call's
-/// outcome, at-least-once after a crash.
+/// outcome, at-least-once after a crash, a reconcile hook answers within 10 seconds.
 ///
 /// # Choosing the TTL
 ///
@@ -78,6 +78,9 @@ pub struct Options {
     pub on_busy: OnBusy,
     /// What a call does after an earlier claim was given up without an outcome.
     pub delivery: Delivery,
+    /// The longest a tool's reconcile hook may take to answer; past it, the answer
+    /// counts as `Reconciled::Unknown` (see [`crate::Reconciled`]).
+    pub reconcile_timeout: Duration,
 }
 
 impl Options {
@@ -90,6 +93,10 @@ impl Options {
     /// running after ten minutes is almost certainly hung, and holding its key longer
     /// would block every retry of it.
     pub const DEFAULT_MAX_RUN: Duration = Duration::from_secs(10 * 60);
+    /// The default bound on a reconcile hook: 10 seconds. A hook asks a downstream
+    /// system one question (a lookup by idempotency key), and every retry of its key
+    /// waits for the answer.
+    pub const DEFAULT_RECONCILE_TIMEOUT: Duration = Duration::from_secs(10);
 
     /// The longest duration any option takes: 100 years (36,500 days). The attribute
     /// refuses a longer literal at compile time; a longer value set in code is cut to it
@@ -105,6 +112,7 @@ impl Options {
             max_run: Self::DEFAULT_MAX_RUN,
             on_busy: OnBusy::Wait(None),
             delivery: Delivery::AtLeastOnce,
+            reconcile_timeout: Self::DEFAULT_RECONCILE_TIMEOUT,
         }
     }
 
@@ -144,12 +152,19 @@ impl Options {
         self
     }
 
+    /// Sets the longest a reconcile hook may take to answer.
+    pub const fn reconcile_timeout(mut self, timeout: Duration) -> Self {
+        self.reconcile_timeout = timeout;
+        self
+    }
+
     /// These options with every duration cut to [`Options::LONGEST`].
     pub(crate) fn clamped(mut self) -> Self {
         let cut = |d: Duration| d.min(Self::LONGEST);
         self.ttl = cut(self.ttl);
         self.lease = cut(self.lease);
         self.max_run = cut(self.max_run);
+        self.reconcile_timeout = cut(self.reconcile_timeout);
         if let OnBusy::Wait(Some(max)) = self.on_busy {
             self.on_busy = OnBusy::Wait(Some(cut(max)));
         }

@@ -59,11 +59,13 @@ use serde::Serialize;
 use tracing::Instrument;
 
 use crate::background;
+use crate::error::LostTo;
 use crate::error::{Human, Logged};
 use crate::heartbeat::{self, Beat, Lease, Ran};
 pub use crate::key::KeyInput;
 use crate::key::{Fingerprint, KeyParts};
 use crate::options::{Delivery, Options};
+use crate::read_back::{self, Equality};
 use crate::record::{Timestamp, Token};
 use crate::run::CURRENT_KEY;
 use crate::store::{Claim, ClaimRequest, Fenced, Outcome, Store};
@@ -196,10 +198,12 @@ pub struct ErrorCodec<E> {
     /// Deserializes a stored error.
     pub decode: fn(&[u8]) -> Result<E, serde_json::Error>,
     /// Checks, before an error is stored, that its bytes read back as the same error
-    /// (they deserialize, and serialize again to the same JSON up to the order of
-    /// sequence elements).
-    pub reads_back: fn(&[u8]) -> Result<(), serde_json::Error>,
+    /// (see [`crate::read_back`]).
+    pub reads_back: ReadsBack<E>,
 }
+
+/// Whether bytes read back as a value (see [`crate::read_back`]).
+pub type ReadsBack<E> = fn(&[u8], &E, Equality<E>) -> Result<(), serde_json::Error>;
 
 /// The default error policy: an `Err` releases the claim, so a retry runs again.
 #[derive(Debug, Clone, Copy)]
@@ -219,7 +223,7 @@ impl<E: Replayable> ErrorPolicy<E> for CacheErrors {
     const STORED: Option<ErrorCodec<E>> = Some(ErrorCodec {
         encode: serde_json::to_vec::<E>,
         decode: from_json::<E>,
-        reads_back: reads_back_the_same::<E>,
+        reads_back: read_back::reads_back::<E>,
     });
 }
 
@@ -227,70 +231,58 @@ fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_json::Error> 
     serde_json::from_slice(bytes)
 }
 
-/// Whether `bytes`, the JSON of a value of type `T`, read back as that value: they
-/// deserialize into a `T`, and that `T` serializes to the same JSON again, or to JSON
-/// that differs only in the order of sequence elements (a set's iteration order).
-///
-/// This catches a result a retry could not read at all (a NaN, which JSON writes as
-/// `null`; `skip_serializing_if` without `default`) and one it would read as another
-/// value (an untagged enum whose variants overlap: `1` read as `1.0`). It cannot see a
-/// value whose JSON is ambiguous in both directions, such as `Some(())` in an
-/// `Option<()>` (both `Some(())` and `None` are `null`), nor a `Deserialize` that
-/// reorders a sequence, since sequences are compared as unordered.
-pub(crate) fn reads_back_the_same<T: Replayable>(bytes: &[u8]) -> Result<(), serde_json::Error> {
-    let back: T = serde_json::from_slice(bytes)?;
-    same_json(bytes, &serde_json::to_vec(&back)?)
+/// How a tool's outcomes are compared with the values their JSON reads back as, before
+/// they are stored (see [`crate::read_back`]): its result (`T`), and its error (`E`)
+/// where errors are cached.
+pub struct Compare<T, E> {
+    /// For the result.
+    pub ok: Equality<T>,
+    /// For a cached error.
+    pub err: Equality<E>,
 }
 
-/// Whether `again`, the JSON of a value read back from `bytes`, is the same JSON, up
-/// to the order of map keys and of sequence elements (see [`reads_back_the_same`]).
-/// Not generic: one copy serves every tool.
-fn same_json(bytes: &[u8], again: &[u8]) -> Result<(), serde_json::Error> {
-    if again == bytes {
-        return Ok(());
-    }
-    // Maps are compared as maps, and sequences as sorted, by `Value`'s equality.
-    let (stored, read): (serde_json::Value, serde_json::Value) = (
-        serde_json::from_slice(bytes)?,
-        serde_json::from_slice(again)?,
-    );
-    if sorted_sequences(stored) == sorted_sequences(read) {
-        return Ok(());
-    }
-    let shown = |b: &[u8]| {
-        let text = String::from_utf8_lossy(b);
-        match text.char_indices().nth(120) {
-            Some((i, _)) => format!("{}…", &text[..i]),
-            None => text.into_owned(),
-        }
+impl<T, E> Compare<T, E> {
+    /// By JSON only.
+    pub const JSON: Self = Compare {
+        ok: Equality::JSON,
+        err: Equality::JSON,
     };
-    Err(serde::de::Error::custom(format!(
-        "it reads back as another value: {} was read back as {}",
-        shown(bytes),
-        shown(again)
-    )))
+
+    /// What the attribute's [`Probe`](crate::read_back::Probe) found.
+    pub fn new(ok: impl Into<Equality<T>>, err: impl Into<Equality<E>>) -> Self {
+        Compare {
+            ok: ok.into(),
+            err: err.into(),
+        }
+    }
 }
 
-/// `value` with every object's keys in sorted order and the elements of every sequence
-/// in one order (by their JSON text, which sorted keys make the same whether or not
-/// serde_json keeps insertion order).
-fn sorted_sequences(value: serde_json::Value) -> serde_json::Value {
-    use serde_json::Value;
-    match value {
-        Value::Array(items) => {
-            let mut items: Vec<Value> = items.into_iter().map(sorted_sequences).collect();
-            items.sort_by_cached_key(Value::to_string);
-            Value::Array(items)
-        }
-        Value::Object(map) => {
-            let mut entries: Vec<(String, Value)> = map
-                .into_iter()
-                .map(|(k, v)| (k, sorted_sequences(v)))
-                .collect();
-            entries.sort_by(|a, b| a.0.cmp(&b.0));
-            Value::Object(entries.into_iter().collect())
-        }
-        other => other,
+impl<T, E> Clone for Compare<T, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T, E> Copy for Compare<T, E> {}
+
+/// A call and how its outcomes are compared when read back: what [`execute`] and its
+/// kin take. A bare `Result<Call, Error>` converts into one that compares by JSON
+/// only; the attribute passes the tool's `PartialEq` where its types have one.
+pub struct Checked<T, E> {
+    call: Result<Call, Error>,
+    compare: Compare<T, E>,
+}
+
+impl<T, E> Checked<T, E> {
+    /// `call`, its outcomes compared by `compare`.
+    pub fn new(call: Result<Call, Error>, compare: Compare<T, E>) -> Self {
+        Checked { call, compare }
+    }
+}
+
+impl<T, E> From<Result<Call, Error>> for Checked<T, E> {
+    fn from(call: Result<Call, Error>) -> Self {
+        Checked::new(call, Compare::JSON)
     }
 }
 
@@ -369,12 +361,17 @@ impl Call {
         options: Options,
         fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(Fingerprint, Fingerprint), Error>,
     ) -> Result<Call, Error> {
-        let Some(run) = run.cloned().or_else(Run::current) else {
-            let error = Error::NoRun {
-                tool: tool.to_owned(),
-            };
-            telemetry::rejected(tool, None, &error);
-            return Err(error);
+        let run = match run.cloned().or_else(Run::current) {
+            // A blank id would make every such caller one run.
+            Some(run) if !run.id().trim().is_empty() => run,
+            run => {
+                let error = Error::NoRun {
+                    tool: tool.to_owned(),
+                    blank_id: run.as_ref().map(|run| run.id().to_owned()),
+                };
+                telemetry::rejected(tool, run.as_ref().and_then(Run::call_id), &error);
+                return Err(error);
+            }
         };
         let parts = KeyParts {
             tenant: run.tenant(),
@@ -436,12 +433,16 @@ impl Call {
 ///
 /// Returns `Ok(output)` with the operation's own output (run now or replayed), or an
 /// [`Error`] when idem could not run it safely. `C` is the [`ErrorPolicy`].
-pub async fn execute<R, C, Fut>(call: Result<Call, Error>, operation: Fut) -> Result<R, Error>
+pub async fn execute<R, C, Fut>(
+    call: impl Into<Checked<R::Ok, R::Err>>,
+    operation: Fut,
+) -> Result<R, Error>
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
     Fut: Future<Output = R>,
 {
+    let Checked { call, compare } = call.into();
     let call = call?;
     let span = call.tally.span().clone();
     async move {
@@ -449,7 +450,7 @@ where
         match acquire::<R, C, AsyncPause>(&call, report).await? {
             Acquisition::Replay(output) => Ok(output),
             Acquisition::Owner(owner, report) => {
-                run_owned::<R, C, _>(&call, owner, report, operation).await
+                run_owned::<R, C, _>(&call, owner, report, operation, compare).await
             }
         }
     }
@@ -470,7 +471,7 @@ where
 /// if the call is dropped elsewhere; outside any tokio runtime there is nowhere to
 /// finish, and a dropped call is settled as [`execute`] settles it.
 pub async fn execute_finishing<R, C, Fut>(
-    call: Result<Call, Error>,
+    call: impl Into<Checked<R::Ok, R::Err>>,
     operation: impl FnOnce() -> Fut,
 ) -> Result<R, Error>
 where
@@ -480,6 +481,7 @@ where
     C: ErrorPolicy<R::Err> + 'static,
     Fut: FinishesAlone<Output = R>,
 {
+    let Checked { call, compare } = call.into();
     let call = call?;
     let span = call.tally.span().clone();
     async move {
@@ -494,7 +496,7 @@ where
         // The owner's part is made inside its box, on first poll: not built on the stack
         // and copied in (it is large, and a miss pays for every copy).
         let life: Life<R> = Box::pin(async move {
-            let owned = execute_owned::<R, C, _>(call, owner, handover, operation);
+            let owned = execute_owned::<R, C, _>(call, owner, handover, operation, compare);
             crate::run::in_scope(ambient, owned).await
         });
         // Outside any runtime there is nowhere to finish: a dropped call is settled.
@@ -519,6 +521,7 @@ async fn execute_owned<R, C, Fut>(
     owner: Owner,
     handover: Handover,
     operation: Fut,
+    compare: Compare<R::Ok, R::Err>,
 ) -> Result<R, Error>
 where
     R: ToolOutput,
@@ -526,7 +529,7 @@ where
     Fut: Future<Output = R>,
 {
     let report = Report::resume(&call.tool, &call.key, &call.run, &call.tally, handover);
-    run_owned::<R, C, _>(&call, owner, report, operation).await
+    run_owned::<R, C, _>(&call, owner, report, operation, compare).await
 }
 
 /// The owner's part of a call: runs the body (see [`own`]) and reports how it ended.
@@ -535,6 +538,7 @@ async fn run_owned<R, C, Fut>(
     owner: Owner,
     report: Report<'_>,
     operation: Fut,
+    compare: Compare<R::Ok, R::Err>,
 ) -> Result<R, Error>
 where
     R: ToolOutput,
@@ -543,7 +547,8 @@ where
 {
     let mut output = None;
     let owned = {
-        let body = std::pin::pin!(Some(body::<R, C, _>(&call.key, operation, &mut output)));
+        let body = body::<R, C, _>(&call.key, operation, &mut output, compare);
+        let body = std::pin::pin!(Some(body));
         own(call, &owner, body).await
     };
     ended(report, owned.and_then(|()| ran(output)))
@@ -655,12 +660,16 @@ fn finish_alone(
 /// that drives tokio itself (a current-thread runtime's own thread), their operations
 /// cannot be answered, and return [`Error::Store`] after the store's timeout instead
 /// of blocking forever; with no runtime at all, at once.
-pub fn execute_blocking<R, C, F>(call: Result<Call, Error>, operation: F) -> Result<R, Error>
+pub fn execute_blocking<R, C, F>(
+    call: impl Into<Checked<R::Ok, R::Err>>,
+    operation: F,
+) -> Result<R, Error>
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
     F: FnOnce() -> R,
 {
+    let Checked { call, compare } = call.into();
     let call = call?;
     let _span = call.tally.span().enter();
     let _blocking = crate::blocking::InSyncTool::enter();
@@ -674,39 +683,48 @@ where
     let key = &call.key;
     let owned = own_blocking(&call, &owner, &mut || {
         let result = operation.take().map(|operation| operation().into_result());
-        result.map(|result| prepare::<R, C>(key, result, &mut output))
+        result.map(|result| prepare::<R, C>(key, result, &mut output, compare))
     });
     ended(report, owned.and_then(|()| ran(output)))
 }
 
 /// The tool's body, made ready for the shared code: runs `operation`, leaves its output
 /// in `output`, and says what the store is to record.
-async fn body<R, C, Fut>(key: &Key, operation: Fut, output: &mut Option<R>) -> Prepared
+async fn body<R, C, Fut>(
+    key: &Key,
+    operation: Fut,
+    output: &mut Option<R>,
+    compare: Compare<R::Ok, R::Err>,
+) -> Prepared
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
     Fut: Future<Output = R>,
 {
     let result = operation.await.into_result();
-    prepare::<R, C>(key, result, output)
+    prepare::<R, C>(key, result, output, compare)
 }
 
 /// What the store is to record of a body's `result`, which is left in `output`.
-fn prepare<R, C>(key: &Key, result: Result<R::Ok, R::Err>, output: &mut Option<R>) -> Prepared
+///
+/// The read-back check runs here, where the value is at hand (see [`crate::read_back`]).
+fn prepare<R, C>(
+    key: &Key,
+    result: Result<R::Ok, R::Err>,
+    output: &mut Option<R>,
+    compare: Compare<R::Ok, R::Err>,
+) -> Prepared
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
 {
     let prepared = match (&result, C::STORED) {
-        (Ok(value), _) => Prepared::record(
-            key,
-            serde_json::to_vec(value),
-            false,
-            reads_back_the_same::<R::Ok>,
-        ),
-        (Err(error), Some(codec)) => {
-            Prepared::record(key, (codec.encode)(error), true, codec.reads_back)
-        }
+        (Ok(value), _) => Prepared::record(key, serde_json::to_vec(value), false, |bytes| {
+            read_back::reads_back(bytes, value, compare.ok)
+        }),
+        (Err(error), Some(codec)) => Prepared::record(key, (codec.encode)(error), true, |bytes| {
+            (codec.reads_back)(bytes, error, compare.err)
+        }),
         (Err(_), None) => Prepared::Release,
     };
     *output = Some(R::from_result(result));
@@ -842,11 +860,12 @@ enum Acquisition<'a, R> {
 /// What the store is to record of a body that ran to its end.
 enum Prepared {
     /// Its result, or (`failed`) its error under an error policy that caches errors;
-    /// stored once `reads_back` accepts the bytes.
+    /// stored if the bytes read back as the value (`read_back`) and are within the
+    /// store's limit.
     Record {
         bytes: Vec<u8>,
         failed: bool,
-        reads_back: fn(&[u8]) -> Result<(), serde_json::Error>,
+        read_back: Result<(), serde_json::Error>,
     },
     /// Its error, not cached: the claim is released.
     Release,
@@ -859,13 +878,13 @@ impl Prepared {
         key: &Key,
         bytes: Result<Vec<u8>, serde_json::Error>,
         failed: bool,
-        reads_back: fn(&[u8]) -> Result<(), serde_json::Error>,
+        reads_back: impl FnOnce(&[u8]) -> Result<(), serde_json::Error>,
     ) -> Prepared {
         match bytes {
             Ok(bytes) => Prepared::Record {
+                read_back: reads_back(&bytes),
                 bytes,
                 failed,
-                reads_back,
             },
             Err(source) => Prepared::Unstorable(Error::Output {
                 key: key.clone(),
@@ -1048,26 +1067,22 @@ impl Drop for Claiming<'_> {
         let Some(claim) = self.claim.take() else {
             return;
         };
-        let store = Arc::clone(self.store);
-        let (key, tool, token) = (self.call.key.clone(), self.call.tool.clone(), self.token);
+        let release = Settlement::release(self.call, self.store, self.token);
+        let again = release.clone();
+        let why = "was dropped while its claim was out";
         // Not in the call's span: a claim that never answers would hold it open.
-        let options = self.call.options;
         background::detach(
             async move {
-                let why = "was dropped while its claim was out";
-                let (store, key, tool) = (&*store, &key, &tool);
                 match claim.await {
-                    Ok(Claim::Acquired { .. }) => {
-                        let how = Settling::Release;
-                        settle(store, key, tool, token, &options, how, why).await
-                    }
+                    Ok(Claim::Acquired { .. }) => release.now(why).await,
                     Ok(_) => {}
-                    Err(_) => {
-                        let span = tracing::Span::none();
-                        release_twice(store, key, tool, token, &options, why, span).await
-                    }
+                    Err(_) => release.twice(why, tracing::Span::none()).await,
                 }
             },
+            // Its runtime shut down with the claim still out: it may have landed.
+            Some(Box::new(move || {
+                Box::pin(again.twice(why, tracing::Span::none()))
+            })),
             tokio::runtime::Handle::try_current().ok().as_ref(),
         );
     }
@@ -1075,34 +1090,19 @@ impl Drop for Claiming<'_> {
 
 /// Releases a claim the store gave up on, in the background (see [`claim_loop`]).
 fn release_late_claim(call: &Call, store: &Arc<dyn Store>, token: Token) {
-    let store = Arc::clone(store);
-    let (key, tool, options) = (call.key.clone(), call.tool.clone(), call.options);
+    let release = Settlement::release(call, store, token);
+    let again = release.clone();
     let span = call.tally.span().clone();
+    let why = "got no answer to its claim";
     background::detach(
-        async move {
-            let why = "got no answer to its claim";
-            release_twice(&*store, &key, &tool, token, &options, why, span).await
-        },
+        release.twice(why, span),
+        // Not in the call's span: holding it for the operation's ten seconds would
+        // keep the call's span open.
+        Some(Box::new(move || {
+            Box::pin(again.twice(why, tracing::Span::none()))
+        })),
         tokio::runtime::Handle::try_current().ok().as_ref(),
     );
-}
-
-/// Releases `token`'s claim now (in the call's `span`) and again [`LATE_CLAIM`] later
-/// (fenced: a no-op on anyone else's claim; by then the call's span has ended).
-async fn release_twice(
-    store: &dyn Store,
-    key: &Key,
-    tool: &str,
-    token: Token,
-    options: &Options,
-    why: &str,
-    span: tracing::Span,
-) {
-    settle(store, key, tool, token, options, Settling::Release, why)
-        .instrument(span)
-        .await;
-    crate::timer::sleep_until(Instant::now() + LATE_CLAIM).await;
-    settle(store, key, tool, token, options, Settling::Release, why).await;
 }
 
 /// A call waiting for another call's claim on its key.
@@ -1206,7 +1206,7 @@ async fn own<F: Future<Output = Prepared>>(
     let guard = Settle::new(call, owner);
     let ran = {
         let running = std::pin::pin!(CURRENT_KEY.scope(call.key.clone(), Polled(body.as_mut())));
-        heartbeat::drive(std::pin::pin!(CatchUnwind(running)), &owner.lease(call)).await
+        heartbeat::drive(std::pin::pin!(CatchUnwind(running)), guard.beat()).await
     };
     // The body is dropped before its claim is settled, whatever stopped it.
     if !matches!(ran, Ran::Finished(Ok(_))) {
@@ -1238,7 +1238,7 @@ type BodyEnd = Result<Prepared, Box<dyn Any + Send>>;
 /// Settles an owner's call after its body's run: records the outcome of a body that
 /// finished ([`finish`]), settles the claim of one that panicked (then the panic goes
 /// on) or ran past `max_run`, and gives up one whose claim was lost.
-async fn settle_run(call: &Call, guard: Settle<'_>, ran: Ran<BodyEnd>) -> Result<(), Error> {
+async fn settle_run(call: &Call, mut guard: Settle<'_>, ran: Ran<BodyEnd>) -> Result<(), Error> {
     match ran {
         Ran::Finished(Ok(prepared)) => finish(call, guard, prepared).await,
         Ran::Finished(Err(panic)) => guard.panicked(panic).await,
@@ -1251,10 +1251,9 @@ async fn settle_run(call: &Call, guard: Settle<'_>, ran: Ran<BodyEnd>) -> Result
             })
         }
         Ran::Lost => {
+            let store = Arc::clone(guard.store);
             guard.disarm();
-            Err(Error::LostLease {
-                key: call.key.clone(),
-            })
+            Err(lost_lease(call, &*store).await)
         }
     }
 }
@@ -1267,11 +1266,9 @@ fn own_blocking(
     body: &mut dyn FnMut() -> Option<Prepared>,
 ) -> Result<(), Error> {
     let guard = Settle::new(call, owner);
-    let beat = Beat::start(&owner.lease(call));
     let ended = panic::catch_unwind(AssertUnwindSafe(|| {
         CURRENT_KEY.sync_scope(call.key.clone(), &mut *body)
     }));
-    drop(beat);
     let ended = match ended {
         Ok(Some(prepared)) => Ok(prepared),
         Ok(None) => Ok(Prepared::Unstorable(Error::store(
@@ -1311,112 +1308,187 @@ enum Settling {
     ByPolicy,
 }
 
-/// A claim this call must settle if it ends without an outcome. Armed until the call
-/// recorded an outcome or its own settling write has landed; dropped armed (the caller
-/// stopped waiting, a panic unwound through the protocol, the call was dropped while
-/// its own settling write was out), it settles the claim in the background, at once
-/// (see [`crate::background`]), on the runtime it is dropped in. Either way no caller
-/// in a live process waits out a lease, and waiters in this process are woken. (Dropped
-/// outside any runtime, the memory and sled stores settle in place; a network store,
-/// whose connection lives on a runtime, cannot, and its claim runs out after its lease.)
-struct Unsettled<'a> {
+/// The owner's duty to settle its claim, and the claim's heartbeat, from the body's
+/// start until the outcome is recorded (see [`crate::heartbeat`]).
+///
+/// Armed until the call recorded an outcome or its own settling write has landed;
+/// dropped armed (the caller stopped waiting, a panic unwound through the protocol,
+/// the call was dropped while its own settling write was out), it settles the claim in
+/// the background, at once, by the delivery policy (see [`crate::background`]: on the
+/// runtime it is dropped in, or on idem's own when that one is shutting down or there
+/// is none). Either way no caller in a live process waits out a lease, and waiters in
+/// this process are woken.
+struct Settle<'a> {
     call: &'a Call,
     store: &'a Arc<dyn Store>,
     token: Token,
+    /// The claim's renewals, until it is settled.
+    beat: Beat,
     /// How to settle if dropped; `None` once there is nothing to settle.
     settling: Option<Settling>,
 }
 
-impl<'a> Unsettled<'a> {
-    fn new(call: &'a Call, store: &'a Arc<dyn Store>, token: Token, how: Settling) -> Self {
-        Unsettled {
+impl<'a> Settle<'a> {
+    /// The duty for `owner`'s claim, whose renewals start now.
+    fn new(call: &'a Call, owner: &'a Owner) -> Self {
+        Settle {
             call,
-            store,
-            token,
-            settling: Some(how),
+            store: &owner.store,
+            token: owner.token,
+            beat: Beat::start(&owner.lease(call)),
+            settling: Some(Settling::ByPolicy),
         }
     }
 
+    /// The claim's heartbeat, which the body is driven by.
+    fn beat(&self) -> &Beat {
+        &self.beat
+    }
+
+    /// The claim's renewals, taken out of the guard (to go on with a late record).
+    fn take_beat(&mut self) -> Beat {
+        std::mem::replace(&mut self.beat, Beat::none())
+    }
+
+    /// Nothing is left to settle: the outcome is recorded, or the claim is not this
+    /// call's any more. Its renewals stop.
     fn disarm(&mut self) {
+        drop(self.take_beat());
         self.settling = None;
     }
 
-    /// Settles the claim now; stays armed until that has landed.
+    /// Settles the claim now; stays armed until that has landed. Its renewals stop
+    /// first, and one in flight is waited for.
     async fn settle_now(&mut self, how: Settling, why: &str) {
         self.settling = Some(how);
+        self.take_beat().stop().await;
+        let call = self.call;
         settle(
             &**self.store,
-            &self.call.key,
-            &self.call.tool,
+            &call.key,
+            &call.tool,
             self.token,
-            &self.call.options,
+            &call.options,
             how,
             why,
         )
         .await;
         self.settling = None;
     }
-}
-
-impl Drop for Unsettled<'_> {
-    fn drop(&mut self) {
-        let Some(how) = self.settling else {
-            return;
-        };
-        let store = Arc::clone(self.store);
-        let (key, tool) = (self.call.key.clone(), self.call.tool.clone());
-        let (token, options) = (self.token, self.call.options);
-        background::detach(
-            async move {
-                let why = "was dropped before recording an outcome";
-                settle(&*store, &key, &tool, token, &options, how, why).await
-            }
-            .instrument(self.call.tally.span().clone()),
-            tokio::runtime::Handle::try_current().ok().as_ref(),
-        );
-    }
-}
-
-/// The owner's duty to settle its claim: [`Unsettled`] by the delivery policy until the
-/// body's outcome is recorded.
-struct Settle<'a>(Unsettled<'a>);
-
-impl<'a> Settle<'a> {
-    fn new(call: &'a Call, owner: &'a Owner) -> Self {
-        Settle(Unsettled::new(
-            call,
-            &owner.store,
-            owner.token,
-            Settling::ByPolicy,
-        ))
-    }
-
-    fn disarm(mut self) {
-        self.0.disarm();
-    }
 
     /// Settles the claim now, by the delivery policy.
     async fn settle(mut self, why: &str) {
-        self.0.settle_now(Settling::ByPolicy, why).await;
+        self.settle_now(Settling::ByPolicy, why).await;
     }
 
     /// Releases the claim now (a failed call, whatever the delivery policy).
     async fn release(mut self) {
-        self.0
-            .settle_now(Settling::Release, "failed; its key is released for retries")
+        self.settle_now(Settling::Release, "failed; its key is released for retries")
             .await;
     }
 
     /// The body panicked: settles the claim, then lets the panic go on, unchanged.
     async fn panicked<T>(self, payload: Box<dyn Any + Send>) -> T {
-        self.0.call.tally.panicked();
-        tracing::error!(tool = %self.0.call.tool, key = %self.0.call.key, "idem: the body panicked; settling its claim");
+        self.call.tally.panicked();
+        tracing::error!(tool = %self.call.tool, key = %self.call.key, "idem: the body panicked; settling its claim");
         self.settle("panicked").await;
         panic::resume_unwind(payload)
     }
 }
 
-/// Settles a claim left without an outcome (see [`Settling`]).
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        let Some(how) = self.settling else {
+            return;
+        };
+        // Its renewals stop here; one in flight is waited for before settling.
+        let quiet = self.take_beat().end();
+        let settling = Settlement {
+            store: Arc::clone(self.store),
+            key: self.call.key.clone(),
+            tool: self.call.tool.clone(),
+            token: self.token,
+            options: self.call.options,
+            how,
+        };
+        let again = settling.clone();
+        let (quiet_again, span) = (quiet.clone(), self.call.tally.span().clone());
+        let why = "was dropped before recording an outcome";
+        background::detach(
+            settling.after(quiet, why).instrument(span.clone()),
+            Some(Box::new(move || {
+                Box::pin(again.after(quiet_again, why).instrument(span))
+            })),
+            tokio::runtime::Handle::try_current().ok().as_ref(),
+        );
+    }
+}
+
+/// A claim to settle, owning what that needs.
+#[derive(Clone)]
+struct Settlement {
+    store: Arc<dyn Store>,
+    key: Key,
+    tool: Arc<str>,
+    token: Token,
+    options: Options,
+    how: Settling,
+}
+
+impl Settlement {
+    /// A release of `token`'s claim on `call`'s key.
+    fn release(call: &Call, store: &Arc<dyn Store>, token: Token) -> Self {
+        Settlement {
+            store: Arc::clone(store),
+            key: call.key.clone(),
+            tool: call.tool.clone(),
+            token,
+            options: call.options,
+            how: Settling::Release,
+        }
+    }
+
+    /// Settles the claim now.
+    async fn now(&self, why: &str) {
+        let Settlement {
+            store,
+            key,
+            tool,
+            token,
+            options,
+            how,
+        } = self;
+        settle(&**store, key, tool, *token, options, *how, why).await
+    }
+
+    /// Settles the claim, once no renewal of it is in flight (`quiet`).
+    async fn after(self, quiet: heartbeat::Quiet, why: &'static str) {
+        quiet.wait().await;
+        self.now(why).await
+    }
+
+    /// Settles the claim now (in the call's `span`) and again [`LATE_CLAIM`] later
+    /// (fenced: a no-op on anyone else's claim; by then the call's span has ended): for
+    /// a claim request whose answer never came, which may land late.
+    async fn twice(self, why: &'static str, span: tracing::Span) {
+        self.now(why).instrument(span).await;
+        crate::timer::sleep_until(Instant::now() + LATE_CLAIM).await;
+        self.now(why).await;
+    }
+}
+
+/// Delays between the background attempts to settle a claim the store failed to
+/// settle at once (a connection that went with a runtime that shut down, a blip).
+const SETTLE_AGAIN: [Duration; 3] = [
+    Duration::from_millis(50),
+    Duration::from_millis(250),
+    Duration::from_secs(1),
+];
+
+/// Settles a claim left without an outcome (see [`Settling`]). A store that fails to is
+/// asked again a few times, for about a second and a half (every write that settles a
+/// claim is fenced by its token, so a second one changes nothing); after that the
+/// claim holds until its lease runs out.
 async fn settle(
     store: &dyn Store,
     key: &Key,
@@ -1427,17 +1499,26 @@ async fn settle(
     why: &str,
 ) {
     let release = matches!(how, Settling::Release) || options.delivery == Delivery::AtLeastOnce;
-    let (settled, outcome) = if release {
-        (
-            store_op(store.name(), "release", store.release(key, token)).await,
-            "released: a retry runs again",
-        )
+    let outcome = if release {
+        "released: a retry runs again"
     } else {
-        let renewing = store.renew(key, token, Duration::ZERO, options.ttl);
-        (
-            store_op(store.name(), "renew", renewing).await,
-            "recorded as outcome unknown (at-most-once)",
-        )
+        "recorded as outcome unknown (at-most-once)"
+    };
+    let mut again = SETTLE_AGAIN.iter();
+    let settled = loop {
+        let settled = if release {
+            store_op(store.name(), "release", store.release(key, token)).await
+        } else {
+            let renewing = store.renew(key, token, Duration::ZERO, options.ttl);
+            store_op(store.name(), "renew", renewing).await
+        };
+        match (settled, again.next()) {
+            (Err(error), Some(delay)) => {
+                tracing::debug!(%tool, %key, %error, "idem: settling a claim failed; trying again");
+                crate::timer::sleep_until(Instant::now() + *delay).await;
+            }
+            (settled, _) => break settled,
+        }
     };
     match settled {
         Ok(Fenced::Applied) => {
@@ -1453,6 +1534,23 @@ async fn settle(
     wait::notify(key);
 }
 
+/// The error of a call whose claim was lost, saying what holds its key now: another
+/// call (whose outcome a retry receives), or nothing (the record was removed: a retry
+/// runs the body again).
+async fn lost_lease(call: &Call, store: &dyn Store) -> Error {
+    let key = &call.key;
+    let lost_to = match store_op(store.name(), "get", store.get(key)).await {
+        Ok(Some(_)) => LostTo::AnotherCall,
+        Ok(None) => LostTo::Removal,
+        Err(_) => LostTo::Unknown,
+    };
+    tracing::warn!(tool = %call.tool, %key, %lost_to, "idem: the claim was lost while the body ran; result not stored");
+    Error::LostLease {
+        key: key.clone(),
+        lost_to,
+    }
+}
+
 /// Records the outcome of a body that ran to its end.
 ///
 /// An outcome that cannot be stored so that a retry reads it back (it does not
@@ -1463,7 +1561,7 @@ async fn settle(
 /// in the background (see [`record_late`]).
 async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Result<(), Error> {
     let key = &call.key;
-    let store = guard.0.store;
+    let store = guard.store;
     let stored = match prepared {
         Prepared::Release => {
             guard.release().await;
@@ -1473,8 +1571,8 @@ async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Resul
         Prepared::Record {
             bytes,
             failed,
-            reads_back,
-        } => within_limit(call, store, bytes).and_then(|bytes| match reads_back(&bytes) {
+            read_back,
+        } => within_limit(call, store, bytes).and_then(|bytes| match read_back {
             Ok(()) => Ok((bytes, failed)),
             Err(source) => Err(unreadable(call, source)),
         }),
@@ -1488,37 +1586,34 @@ async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Resul
         }
     };
     // Armed while the completion is out: dropped there, the claim is settled (fenced: a
-    // no-op if the completion landed).
+    // no-op if the completion landed). Its renewals go on meanwhile: a slow completion
+    // must not let the lease run out under it.
+    guard.beat().body_ended();
     let completed = store_op(
         store.name(),
         "complete",
-        store.complete(
-            key,
-            guard.0.token,
-            outcome(&bytes, failed),
-            call.options.ttl,
-        ),
+        store.complete(key, guard.token, outcome(&bytes, failed), call.options.ttl),
     )
     .await;
     match completed {
         Ok(Fenced::Applied) => {
-            guard.0.disarm();
+            guard.disarm();
             wait::notify(key);
             Ok(())
         }
         Ok(Fenced::LostLease) => {
-            guard.0.disarm();
+            guard.disarm();
             wait::notify(key);
-            tracing::warn!(tool = %call.tool, %key, "idem: the claim was lost while the body ran; result not stored");
-            Err(Error::LostLease { key: key.clone() })
+            Err(lost_lease(call, &**store).await)
         }
         Err(error) => {
             // The body ran: what it returned is the truth, so the caller gets it. The
-            // background takes over the claim's settling from here.
+            // background takes over the claim and its renewals from here.
             tracing::warn!(tool = %call.tool, %key, %error, "idem: the body ran, but the store failed to record its outcome; returning the body's value, and trying to record it again in the background");
-            guard.0.disarm();
+            let beat = guard.take_beat();
+            guard.disarm();
             call.tally.unrecorded();
-            record_late(call, Arc::clone(store), guard.0.token, bytes, failed);
+            record_late(call, Arc::clone(store), guard.token, beat, bytes, failed);
             Ok(())
         }
     }
@@ -1565,27 +1660,90 @@ const RECORD_AGAIN: [Duration; 4] = [
 
 /// Records an outcome the store failed to take, in the background: its bytes are
 /// written again (fenced by the claim's token, so never over another owner's record) a
-/// few times over some seconds. Until one lands, the key holds the claim, so a retry
-/// waits as it would for a running call, and then gets the recorded outcome. If none
-/// lands, the claim is settled by the delivery policy (or, with the store still down,
-/// runs out after its lease): an at-least-once retry runs the body again, an
-/// at-most-once retry gets [`Error::OutcomeUnknown`].
-fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>, failed: bool) {
-    let (key, tool, options) = (call.key.clone(), call.tool.clone(), call.options);
+/// few times over some seconds, while `beat` goes on renewing the claim. Until one
+/// lands, the key holds the claim, so a retry waits as it would for a running call,
+/// and then gets the recorded outcome. If none lands, the claim is settled by the
+/// delivery policy (or, with the store still down, runs out after its lease): an
+/// at-least-once retry runs the body again, an at-most-once retry gets
+/// [`Error::OutcomeUnknown`].
+fn record_late(
+    call: &Call,
+    store: Arc<dyn Store>,
+    token: Token,
+    beat: Beat,
+    bytes: Vec<u8>,
+    failed: bool,
+) {
+    let late = Late {
+        store,
+        key: call.key.clone(),
+        tool: call.tool.clone(),
+        token,
+        options: call.options,
+        span: call.tally.span().clone(),
+        bytes: bytes.into(),
+        failed,
+    };
+    let again = late.clone();
+    // In the call's span: it stays open until the outcome is recorded or settled.
     let span = call.tally.span().clone();
-    let late = async move {
-        // The claim is renewed meanwhile, as a running body's is, so a retry waits for
-        // this outcome instead of taking the claim over once its lease runs out.
+    background::detach(
+        late.record(beat).instrument(span.clone()),
+        // Its runtime shut down: from the start on idem's own, renewed afresh.
+        Some(Box::new(move || {
+            Box::pin(
+                async move {
+                    let beat = again.beat();
+                    again.record(beat).await
+                }
+                .instrument(span),
+            )
+        })),
+        tokio::runtime::Handle::try_current().ok().as_ref(),
+    );
+}
+
+/// An outcome to record late (see [`record_late`]), owning what that needs.
+#[derive(Clone)]
+struct Late {
+    store: Arc<dyn Store>,
+    key: Key,
+    tool: Arc<str>,
+    token: Token,
+    options: Options,
+    span: tracing::Span,
+    bytes: Arc<[u8]>,
+    failed: bool,
+}
+
+impl Late {
+    /// Renewals of the claim, from now.
+    fn beat(&self) -> Beat {
         let beat = Beat::start(&Lease {
-            store: &store,
-            key: &key,
-            tool: &tool,
-            token,
-            options: &options,
-            span: &span,
+            store: &self.store,
+            key: &self.key,
+            tool: &self.tool,
+            token: self.token,
+            options: &self.options,
+            span: &self.span,
         });
+        beat.body_ended();
+        beat
+    }
+
+    async fn record(self, beat: Beat) {
+        let Late {
+            store,
+            key,
+            tool,
+            token,
+            options,
+            bytes,
+            failed,
+            ..
+        } = self;
         for delay in RECORD_AGAIN {
-            crate::timer::sleep_until(std::time::Instant::now() + delay).await;
+            crate::timer::sleep_until(Instant::now() + delay).await;
             let completing = store.complete(&key, token, outcome(&bytes, failed), options.ttl);
             match store_op(store.name(), "complete", completing).await {
                 Ok(Fenced::Applied) => {
@@ -1603,23 +1761,11 @@ fn record_late(call: &Call, store: Arc<dyn Store>, token: Token, bytes: Vec<u8>,
                 }
             }
         }
-        drop(beat);
+        beat.stop().await;
         let why = "ran, but the store never took its outcome";
-        settle(
-            &*store,
-            &key,
-            &tool,
-            token,
-            &options,
-            Settling::ByPolicy,
-            why,
-        )
-        .await;
-    };
-    // In the call's span: it stays open until the outcome is recorded or settled.
-    let late = late.instrument(call.tally.span().clone());
-
-    background::detach(late, tokio::runtime::Handle::try_current().ok().as_ref());
+        let how = Settling::ByPolicy;
+        settle(&*store, &key, &tool, token, &options, how, why).await;
+    }
 }
 
 /// Converts an idem error into the tool's output (`Err(E::from(error))`); what the

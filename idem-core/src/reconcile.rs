@@ -10,11 +10,19 @@
 //! let call = Call::from_args(..);
 //! for _ in 0..20 {
 //!     let Some(abandoned) = abandoned(&call).await else { break };  // reads the key
-//!     let answer = check(abandoned.key(), &input).await;            // the hook
-//!     if settle(&call, abandoned, answer).await { break }           // one fenced write
+//!     let answer = ask(&call, check(abandoned.key(), &input)).await; // the hook, bounded
+//!     if settle(&call, abandoned, answer, eq).await { break }       // one fenced write
 //! }
 //! execute(call, async move { body }).await                          // as without a hook
 //! ```
+//!
+//! The hook has the tool's `reconcile_timeout` to answer (10 seconds by default;
+//! [`Options::reconcile_timeout`](crate::Options::reconcile_timeout)): past it, it is
+//! dropped where it stands, and its answer counts as unknown. A value it answers must
+//! read back as itself, as a body's result must (see [`crate::read_back`]); one that
+//! does not (a NaN, a field its JSON never holds) counts as unknown too, since storing
+//! it would give every later call another value, or an error. Either way a warning
+//! names the tool and the key.
 //!
 //! The hook runs before the call claims anything, so a caller that drops the call
 //! while the hook runs leaves nothing behind. Its answer settles the abandoned claim
@@ -25,12 +33,15 @@
 //! claim that changed since it was read (another caller settled it first) is left to
 //! the call, which finds what is there now.
 
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use crate::error::Logged;
+use crate::error::{Human, Logged};
 use crate::options::Delivery;
 use crate::protocol::{Call, ToolOutput};
+use crate::read_back::{self, Equality};
 use crate::record::{State, Timestamp, Token};
 use crate::store::{Fenced, Resolution, Store};
 use crate::telemetry::{in_span, store_op};
@@ -148,37 +159,79 @@ pub async fn abandoned(call: &Result<Call, Error>) -> Option<Abandoned> {
 /// How often a claim whose lease is still running is read again.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
+/// Awaits a reconcile hook's `answer` for at most the tool's `reconcile_timeout`; past
+/// it, the hook is dropped and the answer is [`Reconciled::Unknown`], with a warning.
+pub async fn ask<T>(
+    call: &Result<Call, Error>,
+    answer: impl Future<Output = Reconciled<T>>,
+) -> Reconciled<T> {
+    let Ok(call) = call else {
+        return Reconciled::Unknown;
+    };
+    let timeout = call.options().reconcile_timeout;
+    let Some(deadline) = Instant::now().checked_add(timeout) else {
+        return answer.await;
+    };
+    let mut answer = std::pin::pin!(answer);
+    let mut alarm = std::pin::pin!(crate::timer::sleep_until(deadline));
+    let answered = std::future::poll_fn(|cx| {
+        if let Poll::Ready(answer) = answer.as_mut().poll(cx) {
+            return Poll::Ready(Some(answer));
+        }
+        alarm.as_mut().poll(cx).map(|()| None)
+    })
+    .await;
+    answered.unwrap_or_else(|| {
+        in_span(call.span(), || {
+            tracing::warn!(tool = %call.tool(), key = %call.key(), timeout = %Human(timeout), "idem: the reconcile hook did not answer within its reconcile_timeout; the outcome stays unknown")
+        });
+        Reconciled::Unknown
+    })
+}
+
 /// Settles `abandoned` by the hook's `answer` (see the module docs). Failures are
 /// logged, and leave the claim as it was: the call then answers `OutcomeUnknown`.
 /// Returns `false` when the claim changed before it could be settled (another caller
 /// settled it, or the store's clock did not yet see its lease run out): look again.
+///
+/// `eq` compares a value the hook answers with what its JSON reads back as (the
+/// attribute passes the type's `PartialEq` where it has one).
 pub async fn settle<R: ToolOutput>(
     call: &Result<Call, Error>,
     abandoned: Abandoned,
     answer: Reconciled<R::Ok>,
+    eq: Equality<R::Ok>,
 ) -> bool {
     let Ok(call) = call else { return true };
     let Abandoned { store, key, token } = abandoned;
+    let tool = call.tool();
     let log = |f: &dyn Fn()| in_span(call.span(), f);
     let bytes;
     let (resolution, what) = match answer {
         Reconciled::Happened(value) => {
-            bytes = match serde_json::to_vec(&value) {
+            let written = serde_json::to_vec(&value).map_err(|source| Error::Output {
+                key: key.clone(),
+                source,
+            });
+            let read_back = |bytes: &[u8]| {
+                read_back::reads_back(bytes, &value, eq).map_err(|source| Error::Unreplayable {
+                    tool: tool.to_owned(),
+                    key: key.clone(),
+                    source,
+                })
+            };
+            bytes = match written.and_then(|bytes| read_back(&bytes).map(|()| bytes)) {
                 Ok(bytes) if bytes.len() <= store.max_result_bytes() => bytes,
                 Ok(bytes) => {
                     let (len, max) = (bytes.len(), store.max_result_bytes());
                     log(
-                        &|| tracing::warn!(%key, len, max, "idem: the reconcile hook's result is larger than the store keeps; the outcome stays unknown"),
+                        &|| tracing::warn!(%tool, %key, len, max, "idem: the reconcile hook's result is larger than the store keeps; the outcome stays unknown"),
                     );
                     return true;
                 }
                 Err(error) => {
-                    let error = Error::Output {
-                        key: key.clone(),
-                        source: error,
-                    };
                     log(
-                        &|| tracing::warn!(%key, error = %Logged(&error), "idem: the reconcile hook's result does not serialize; the outcome stays unknown"),
+                        &|| tracing::warn!(%tool, %key, error = %Logged(&error), "idem: the reconcile hook's result cannot be stored so that a retry reads it back as itself; the outcome stays unknown"),
                     );
                     return true;
                 }
@@ -195,7 +248,7 @@ pub async fn settle<R: ToolOutput>(
         Reconciled::NeverHappened => (Resolution::Released, "it never happened; running it now"),
         Reconciled::Unknown => {
             log(
-                &|| tracing::warn!(%key, "idem: the reconcile hook cannot tell what happened; the outcome stays unknown"),
+                &|| tracing::warn!(%tool, %key, "idem: the reconcile hook cannot tell what happened; the outcome stays unknown"),
             );
             return true;
         }

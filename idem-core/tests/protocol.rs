@@ -210,7 +210,7 @@ async fn stored_result_of_another_type_is_a_typed_error() {
 async fn call_without_a_run_is_no_run() {
     let err = Call::new(None, "send_email", Options::new(), &1).unwrap_err();
     assert!(
-        matches!(err, Error::NoRun { ref tool } if tool == "send_email"),
+        matches!(err, Error::NoRun { ref tool, blank_id: None } if tool == "send_email"),
         "{err}"
     );
 }

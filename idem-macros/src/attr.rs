@@ -45,10 +45,13 @@ pub struct Args {
     /// `reconcile = check`: the hook asked what happened to an abandoned call, with the
     /// option's name for error spans.
     pub reconcile: Option<(Path, Ident)>,
+    /// `reconcile_timeout = "10s"`, with the option's name for error spans.
+    pub reconcile_timeout: Option<(DurationArg, Ident)>,
 }
 
 const OPTIONS: &str = "ttl, lease, wait, max_run, on_cancel, fail_fast, at_most_once, \
-                       reconcile, cache_errors, name, key, scope, skip, run, map_error, crate";
+                       reconcile, reconcile_timeout, cache_errors, name, key, scope, skip, run, \
+                       map_error, crate";
 
 impl Parse for Args {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
@@ -75,6 +78,9 @@ impl Parse for Args {
                 "lease" => args.lease = Some(duration_value(input)?),
                 "wait" => args.wait = Some(duration_value(input)?),
                 "max_run" => args.max_run = Some(duration_value(input)?),
+                "reconcile_timeout" => {
+                    args.reconcile_timeout = Some((duration_value(input)?, name.clone()))
+                }
                 "on_cancel" => {
                     let lit: LitStr = value(input)?;
                     let choice = match lit.value().as_str() {
@@ -166,6 +172,13 @@ impl Parse for Args {
                 "`reconcile` asks what happened to a call whose outcome is unknown, and only an \
                  `at_most_once` tool has such calls (an at-least-once tool runs them again): \
                  add `at_most_once`",
+            ));
+        }
+        if let (Some((_, option)), None) = (&args.reconcile_timeout, &args.reconcile) {
+            return Err(syn::Error::new(
+                option.span(),
+                "`reconcile_timeout` bounds a reconcile hook, and this tool has none: add \
+                 `reconcile = hook`, or leave `reconcile_timeout` out",
             ));
         }
         if let (Some(span), Some(_)) = (args.fail_fast, &args.wait) {

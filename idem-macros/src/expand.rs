@@ -173,6 +173,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     // `check(&key, &arg, ..)` finds out downstream (every argument but the run, by
     // reference). Spanned at the hook: a hook of the wrong shape is an error there.
     let reconciling = private.clone();
+    let compare_ident = format_ident!("__idem_compare");
     let reconcile = |output: &Type| match &args.reconcile {
         None => quote!(),
         Some((hook, _)) => {
@@ -191,9 +192,18 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
                     else {
                         break;
                     };
-                    let __idem_answer = #hook(__idem_abandoned.key(), #(#refs),*).await;
-                    if #reconciling::settle::<#output>(&__idem_call, __idem_abandoned, __idem_answer)
-                        .await
+                    let __idem_answer = #reconciling::ask(
+                        &__idem_call,
+                        #hook(__idem_abandoned.key(), #(#refs),*),
+                    )
+                    .await;
+                    if #reconciling::settle::<#output>(
+                        &__idem_call,
+                        __idem_abandoned,
+                        __idem_answer,
+                        #compare_ident.ok,
+                    )
+                    .await
                     {
                         break;
                     }
@@ -225,6 +235,32 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         }
     };
     let call_ident = format_ident!("__idem_call");
+    // How the tool's outcomes are compared when read back before they are stored: by
+    // `PartialEq` where the types have it (asked where their names are written, see
+    // `read_back` in idem-core), always by JSON. `output` is the tool's `Result` type,
+    // when it can be named; without it, by JSON only.
+    let compare = |output: Option<&Type>| match output {
+        Some(output) => {
+            let err = match args.cache_errors {
+                true => quote!(__idem_probe.err()),
+                false => quote!(#private::JsonOnly),
+            };
+            let compare = quote_spanned! {output.span()=>
+                // The probe's shape: a reference the compiler derefs to find the method,
+                // and a conversion that is the identity for one of the two answers.
+                #[allow(clippy::needless_borrow, clippy::useless_conversion)]
+                let #compare_ident = {
+                    #[allow(unused_imports)]
+                    use #private::{ErrByJson as _, ErrByPartialEq as _, OkByJson as _, OkByPartialEq as _};
+                    let __idem_probe = &&#private::Probe::<#output>::new();
+                    #private::Compare::new(__idem_probe.ok(), #err)
+                };
+            };
+            let checked = quote!(#private::Checked::new(#call_ident, #compare_ident));
+            (compare, checked)
+        }
+        None => (quote!(), quote!(#call_ident)),
+    };
     let explicit = args
         .on_cancel
         .as_ref()
@@ -236,6 +272,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     let execute = |owned: Option<cancel::Owned>,
                    block: &mut Block,
                    ret: &TokenStream,
+                   checked: &TokenStream,
                    span: Span| match owned {
         Some(owned) => {
             if owned.rewrite_self {
@@ -246,14 +283,14 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             let (prelude, reborrow) = (&owned.prelude, &owned.reborrow);
             let stmts = &block.stmts;
             quote_spanned!(span=> #private::execute_finishing::<#ret, #policy, _>(
-                #call_ident,
+                #checked,
                 move || { #(#prelude)* async move { #(#reborrow)* #(#stmts)* } },
             ))
         }
         None => {
             let stmts = &block.stmts;
             quote_spanned!(span=> #private::execute::<#ret, #policy, _>(
-                #call_ident,
+                #checked,
                 async move { #(#stmts)* },
             ))
         }
@@ -262,12 +299,14 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     if func.sig.asyncness.is_some() {
         let mut block = (*func.block).clone();
         let owned = cancel::decide(&func, &block, explicit)?;
-        let executed = execute(owned, &mut block, &quote!(#ret), ret.span());
+        let (compare, checked) = compare(Some(&ret));
+        let executed = execute(owned, &mut block, &quote!(#ret), &checked, ret.span());
         let body = finish(quote_spanned!(ret.span()=> #executed.await));
         let reconcile = reconcile(&ret);
         *func.block = syn::parse_quote!({
             #run_source
             let #call_ident = #call;
+            #compare
             #reconcile
             #body
         });
@@ -282,10 +321,13 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             stmts: std::mem::take(&mut inner.stmts),
         };
         let owned = cancel::decide(&signature, &block, explicit)?;
-        let executed = execute(owned, &mut block, &quote!(_), Span::call_site());
+        // The boxed future's `Output`, the tool's `Result`, where it can be found.
+        let output = future_output(&ret);
+        let (compare, checked) = compare(output.as_ref());
+        let executed = execute(owned, &mut block, &quote!(_), &checked, Span::call_site());
         let body = finish(quote!(#executed.await));
         // The hook's answer is the tool's value: name the output the boxed future has.
-        let reconcile = match (&args.reconcile, future_output(&ret)) {
+        let reconcile = match (&args.reconcile, output) {
             (Some((_, option)), None) => {
                 return Err(syn::Error::new_spanned(
                     option,
@@ -298,6 +340,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         inner.stmts = syn::parse_quote!(
             #run_source
             let #call_ident = #call;
+            #compare
             #reconcile
             #body
         );
@@ -317,12 +360,14 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             ));
         }
         let block = &func.block;
+        let (compare, checked) = compare(Some(&ret));
         let body = finish(quote_spanned!(ret.span()=>
-            #private::execute_blocking::<#ret, #policy, _>(#call_ident, move || #block)
+            #private::execute_blocking::<#ret, #policy, _>(#checked, move || #block)
         ));
         *func.block = syn::parse_quote!({
             #run_source
             let #call_ident = #call;
+            #compare
             #body
         });
     }
@@ -563,6 +608,10 @@ fn options(args: &Args, private: &TokenStream) -> TokenStream {
     if let Some(max_run) = &args.max_run {
         let d = millis(max_run.millis);
         options = quote!(#options.max_run(#d));
+    }
+    if let Some((timeout, _)) = &args.reconcile_timeout {
+        let d = millis(timeout.millis);
+        options = quote!(#options.reconcile_timeout(#d));
     }
     options
 }
