@@ -58,8 +58,8 @@ pub use idem_core::describe_metrics;
 pub use idem_core::sweeper;
 pub use idem_core::{
     current_key, default_store, default_store_dir, observe, observe_sync, set_default_store,
-    CallOutcome, CallReport, Delivery, Error, Key, LocalCache, MemoryStore, OnBusy, Options,
-    Reconciled, Run, Store,
+    CallOutcome, CallReport, Delivery, Error, Key, LocalCache, LostTo, MemoryStore, OnBusy,
+    Options, Reconciled, Run, Store,
 };
 #[cfg(feature = "postgres")]
 pub use idem_core::{PostgresStore, PostgresStoreBuilder};

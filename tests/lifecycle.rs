@@ -606,13 +606,15 @@ async fn a_wait_that_lasts_is_logged_at_info_with_the_tool_the_key_and_the_claim
 }
 
 /// A memory store whose answers come late: a claim is applied after `claim_delay` and
-/// answered `claim_answer` after that; a release is applied only after `release_delay`.
+/// answered `claim_answer` after that; a release is applied only after `release_delay`,
+/// and a completion after `complete_delay`.
 #[derive(Clone, Default)]
 struct Slow {
     inner: MemoryStore,
     claim_delay: Duration,
     claim_answer: Duration,
     release_delay: Duration,
+    complete_delay: Duration,
     /// Renewals panic while this is set.
     renew_panics: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -636,6 +638,7 @@ impl idem::Store for Slow {
         outcome: idem::store::Outcome<'_>,
         ttl: Duration,
     ) -> Result<idem::store::Fenced, Error> {
+        tokio::time::sleep(self.complete_delay).await;
         self.inner.complete(key, token, outcome, ttl).await
     }
     async fn release(
@@ -667,6 +670,46 @@ impl idem::Store for Slow {
     async fn purge_expired(&self) -> Result<u64, Error> {
         self.inner.purge_expired().await
     }
+}
+
+/// A report whose body is quick and whose store takes three times its lease to record
+/// the outcome. A lease of one second: a renewal (every third of it) would have to be
+/// held up for two thirds of a second to lose the claim.
+#[idempotent(name = "slow_record", lease = "1s", skip = [provider])]
+async fn slow_record(provider: Provider, id: u32) -> Result<String, Error> {
+    Ok(provider.deliver())
+}
+
+/// The same tool, for a duplicate that does not wait.
+#[idempotent(name = "slow_record", lease = "1s", fail_fast, skip = [provider])]
+async fn slow_record_fail_fast(provider: Provider, id: u32) -> Result<String, Error> {
+    Ok(provider.deliver())
+}
+
+/// The claim is renewed while the store records the outcome, not only while the body
+/// runs: a completion that takes longer than the lease leaves no gap in which a retry
+/// takes the key over and runs the body again (and the first caller gets `LostLease`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_slower_than_the_lease_keeps_the_claim() {
+    let store = Slow {
+        complete_delay: Duration::from_secs(3),
+        ..Slow::default()
+    };
+    let run = Run::new("slow-completion").with_store(store);
+    let provider = Provider::default();
+    let duplicates = async {
+        // Past the lease, twice: the claim is still held.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let busy = run.scope(slow_record_fail_fast(provider.clone(), 1)).await;
+        assert!(matches!(busy, Err(Error::InProgress { .. })), "{busy:?}");
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        // A duplicate that waits gets the first call's result.
+        run.scope(slow_record(provider.clone(), 1)).await
+    };
+    let (first, waited) = tokio::join!(run.scope(slow_record(provider.clone(), 1)), duplicates);
+    assert_eq!(first.unwrap(), "msg-1", "no LostLease");
+    assert_eq!(waited.unwrap(), "msg-1");
+    assert_eq!(provider.delivered(), 1, "the body ran once");
 }
 
 #[idempotent(lease = "60s", skip = [provider])]

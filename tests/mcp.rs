@@ -237,6 +237,21 @@ async fn a_call_without_a_run_id_is_refused_and_sends_nothing() {
     params.meta = Some(meta);
     assert!(client.call_tool(params).await.is_err());
 
+    // A blank run id is no run id either: every client sending one would share one
+    // run, and a second agent's identical email would be answered with the first's
+    // message id and never sent.
+    for blank in ["", "  "] {
+        let error = client
+            .call_tool(call("send_email", email(), Some(blank)))
+            .await
+            .expect_err("a blank run id: refused");
+        let ServiceError::McpError(error) = error else {
+            panic!("expected an MCP error, got {error:?}");
+        };
+        assert_eq!(error.code, ErrorCode::INVALID_PARAMS, "{blank:?}");
+        assert!(error.message.contains("non-empty"), "{}", error.message);
+    }
+
     assert!(mailer.outbox().is_empty(), "nothing was sent");
     client.cancel().await.unwrap();
 }

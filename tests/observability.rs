@@ -513,7 +513,16 @@ fn a_claim_whose_owner_stopped_renewing_is_taken_over() {
     });
     assert_eq!(retry.unwrap(), 2);
     let stuck = stuck.join().unwrap();
-    assert!(matches!(stuck, Err(Error::LostLease { .. })), "{stuck:?}");
+    assert!(
+        matches!(
+            stuck,
+            Err(Error::LostLease {
+                lost_to: idem::LostTo::AnotherCall,
+                ..
+            })
+        ),
+        "{stuck:?}"
+    );
     let calls = capture.calls("export");
     let outcomes: Vec<_> = calls.iter().map(|s| s.outcome()).collect();
     assert_eq!(outcomes, ["took_over", "not_recorded"]);

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
-use idem_core::store::{Filter, Record, Resolution, State, StateKind, Timestamp};
+use idem_core::store::{Fenced, Filter, Record, Resolution, State, StateKind, Timestamp};
 use idem_core::{Error, Key, PostgresStore, RedisStore, SledStore, Store};
 
 use output::Output;
@@ -65,7 +65,8 @@ enum Command {
         #[command(flatten)]
         filter: FilterArgs,
     },
-    /// Remove a record (the next call with its input runs again), or all of a run's.
+    /// Remove a record (the next call with its input runs again), or all of a run's. A
+    /// running call's claim is left alone unless --force is given.
     Evict {
         /// The record's key.
         #[arg(required_unless_present = "run", conflicts_with = "run")]
@@ -76,6 +77,10 @@ enum Command {
         /// With `--run`: only the run's records in this tenant.
         #[arg(long, requires = "run")]
         tenant: Option<String>,
+        /// Remove running calls' claims too: each such call loses its claim, its result
+        /// is not stored, and a retry runs its body again, at-most-once or not.
+        #[arg(long)]
+        force: bool,
         /// Do not ask.
         #[arg(long, short)]
         yes: bool,
@@ -221,48 +226,24 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Evict {
             key: Some(key),
+            force,
             yes,
             ..
-        } => {
-            let key = Key::from_text(key);
-            let question = match store.get(&key).await {
-                Ok(Some(record)) => format!(
-                    "Evict {key} ({}{})? The next call with its input runs again.",
-                    StateKind::of(&record, Timestamp::now()),
-                    output::whose(&record)
-                ),
-                Ok(None) => return Err(not_found(&key)),
-                // What cannot be read can still be removed.
-                Err(e @ (Error::CorruptRecord { .. } | Error::UnsupportedFormat { .. })) => {
-                    format!("Evict {key}? It holds a value this build cannot read: {e}")
-                }
-                Err(e) => return Err(e.into()),
-            };
-            confirm(yes, &question)?;
-            let removed = store.delete(&key).await?;
-            emit(&out.done(&format!("evicted {key}"), u64::from(removed)))
-        }
+        } => evict_key(&*store, Key::from_text(key), force, yes, &out).await,
         Command::Evict {
-            run, tenant, yes, ..
+            run,
+            tenant,
+            force,
+            yes,
+            ..
         } => {
             let filter = Filter {
                 run_id: run.clone(),
                 tenant,
                 ..Filter::default()
             };
-            let counts = store.count(&filter).await?;
-            // Unreadable values match no run.
-            let n = counts.total() - counts.unreadable;
-            if n == 0 {
-                return emit(&out.done("nothing to evict", 0));
-            }
             let run = output::clean(&run.unwrap_or_default());
-            confirm(
-                yes,
-                &format!("Evict the {n} records of run {run}? Its calls run again when retried."),
-            )?;
-            let removed = store.delete_matching(&filter).await?;
-            emit(&out.done(&format!("evicted {removed} records of run {run}"), removed))
+            evict_run(&*store, filter, &run, force, yes, &out).await
         }
         Command::Resolve {
             key,
@@ -275,6 +256,142 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             emit(&out.done(&format!("removed {removed} expired records"), removed))
         }
     }
+}
+
+/// Evicts one record. A running call's claim is refused without `force`: removing it
+/// would make the call lose its claim and its result, and a retry run the body again.
+/// An abandoned claim is removed only if it is still abandoned when the store removes
+/// it (a fenced `resolve`), so a call that took it over meanwhile keeps it.
+async fn evict_key(
+    store: &dyn Store,
+    key: Key,
+    force: bool,
+    yes: bool,
+    out: &Output,
+) -> Result<(), Failure> {
+    let now = Timestamp::now();
+    let record = match store.get(&key).await {
+        Ok(Some(record)) => Some(record),
+        Ok(None) => return Err(not_found(&key)),
+        // What cannot be read can still be removed.
+        Err(e @ (Error::CorruptRecord { .. } | Error::UnsupportedFormat { .. })) => {
+            confirm(
+                yes,
+                &format!("Evict {key}? It holds a value this build cannot read: {e}"),
+            )?;
+            None
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let Some(record) = record else {
+        let removed = store.delete(&key).await?;
+        return emit(&out.done(&format!("evicted {key}"), u64::from(removed)));
+    };
+    let state = StateKind::of(&record, now);
+    if let (StateKind::Running, State::InProgress { lease_until, .. }, false) =
+        (state, &record.state, force)
+    {
+        return Err(Failure(
+            Exit::Refused,
+            format!(
+                "`{key}` is running: its call holds it for {} more (its lease, renewed while \
+                 its process lives). Evicting it would make that call lose its claim: its \
+                 result would not be stored, and a retry would run its body again, \
+                 at-most-once or not. Wait for it to end, or pass --force",
+                humantime::format_duration(Duration::from_secs(
+                    lease_until.remaining(now).as_secs()
+                ))
+            ),
+        ));
+    }
+    confirm(
+        yes,
+        &format!(
+            "Evict {key} ({state}{})? The next call with its input runs again.",
+            output::whose(&record)
+        ),
+    )?;
+    let removed = match (&record.state, force) {
+        (State::InProgress { token, .. }, false) => {
+            match store.resolve(&key, *token, Resolution::Released).await? {
+                Fenced::Applied => true,
+                Fenced::LostLease => {
+                    return Err(Failure(
+                        Exit::Refused,
+                        format!(
+                            "`{key}` changed while it was being evicted (a call took it over, \
+                             or it was settled); look again with `idem show {key}`"
+                        ),
+                    ))
+                }
+            }
+        }
+        _ => store.delete(&key).await?,
+    };
+    emit(&out.done(&format!("evicted {key}"), u64::from(removed)))
+}
+
+/// Evicts a run's records. Without `force`, its running calls' claims stay (and are
+/// counted), and its abandoned claims are removed only if still abandoned, as
+/// [`evict_key`] does.
+async fn evict_run(
+    store: &dyn Store,
+    filter: Filter,
+    run: &str,
+    force: bool,
+    yes: bool,
+    out: &Output,
+) -> Result<(), Failure> {
+    let counts = store.count(&filter).await?;
+    let running = counts.get(StateKind::Running);
+    // Unreadable values match no run.
+    let total = counts.total() - counts.unreadable;
+    let n = if force { total } else { total - running };
+    let left = match (force, running) {
+        (false, 1..) => format!(" ({running} running, left alone: --force evicts them too)"),
+        _ => String::new(),
+    };
+    if n == 0 {
+        return emit(&out.done(&format!("nothing to evict{left}"), 0));
+    }
+    confirm(
+        yes,
+        &format!("Evict the {n} records of run {run}{left}? Their calls run again when retried."),
+    )?;
+    if force {
+        let removed = store.delete_matching(&filter).await?;
+        return emit(&out.done(&format!("evicted {removed} records of run {run}"), removed));
+    }
+    let mut removed = 0;
+    for state in [StateKind::Completed, StateKind::Failed] {
+        let filter = Filter {
+            state: Some(state),
+            ..filter.clone()
+        };
+        removed += store.delete_matching(&filter).await?;
+    }
+    let abandoned = Filter {
+        state: Some(StateKind::Abandoned),
+        ..filter
+    };
+    let mut after = None;
+    loop {
+        let page = store.list(&abandoned, after.as_ref(), 1_000).await?;
+        for listed in &page.records {
+            if let State::InProgress { token, .. } = listed.record.state {
+                let resolved = store.resolve(&listed.key, token, Resolution::Released);
+                removed += u64::from(resolved.await? == Fenced::Applied);
+            }
+        }
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    emit(&out.done(
+        &format!("evicted {removed} records of run {run}{left}"),
+        removed,
+    ))
 }
 
 /// The store the command names.
@@ -520,10 +637,10 @@ async fn resolve(
         Resolution::Released => "released: its next call runs",
     };
     match store.resolve(&key, token, resolution).await? {
-        idem_core::store::Fenced::Applied => {
+        Fenced::Applied => {
             emit(&out.done(&format!("resolved {key} as {what}"), 1))
         }
-        idem_core::store::Fenced::LostLease => Err(Failure(
+        Fenced::LostLease => Err(Failure(
             Exit::Refused,
             format!("`{key}` changed while it was being resolved (a call took it over, or it was evicted); look again with `idem show {key}`"),
         )),

@@ -307,6 +307,19 @@ where
         );
     }
 
+    // evict: refuses a running call's claim, whose owner would lose it (and a retry of
+    // an at-most-once call would run it again), unless forced.
+    let (code, _, err) = run(args, &["evict", made.running.as_str(), "--yes"]);
+    assert!(
+        code == 4 && err.contains("running") && err.contains("--force"),
+        "{code} {err}"
+    );
+    assert_eq!(
+        run(args, &["show", made.running.as_str()]).0,
+        0,
+        "still there"
+    );
+
     // evict: asks (and refuses without a terminal), then removes; a run's at once.
     let (code, _, err) = run(args, &["evict", made.completed[2].as_str()]);
     assert!(code == 4 && err.contains("--yes"), "{code} {err}");
@@ -328,6 +341,35 @@ where
         json_lines(&ok(args, &["ls", "--json", "--run", r1])).len(),
         6
     );
+
+    // A run's eviction leaves its running calls' claims (two now: the fill's, and the
+    // call after the release), and removes the rest, an abandoned claim included.
+    let abandoned = Key::from_text(format!("charge_card.{}", unique("abandoned")));
+    {
+        let store = reopen().await;
+        let gone = request(&origin(r1, "charge_card"), 14, Duration::from_millis(1));
+        make(&*store, &abandoned, &gone, None).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let evicted: Value =
+        serde_json::from_str(&ok(args, &["evict", "--json", "--run", r1, "--yes"])).unwrap();
+    assert_eq!(evicted["count"], 5, "{evicted}");
+    assert!(
+        evicted["done"].as_str().unwrap().contains("2 running"),
+        "{evicted}"
+    );
+    let left = json_lines(&ok(args, &["ls", "--json", "--run", r1]));
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert!(left.iter().all(|r| r["state"] == "running"), "{left:?}");
+    // Forced, they go too.
+    ok(args, &["evict", made.running.as_str(), "--force", "--yes"]);
+    assert_eq!(run(args, &["show", made.running.as_str()]).0, 3);
+    let evicted: Value = serde_json::from_str(&ok(
+        args,
+        &["evict", "--json", "--run", r1, "--force", "--yes"],
+    ))
+    .unwrap();
+    assert_eq!(evicted["count"], 1, "{evicted}");
 
     ok(args, &["purge"]);
 }

@@ -378,7 +378,18 @@ async fn stale_owner_cannot_overwrite_the_new_owners_result() {
         .await
     };
     let (stale, fresh) = tokio::join!(stale, fresh);
-    assert!(matches!(stale, Err(Error::LostLease { .. })), "{stale:?}");
+    assert!(
+        matches!(
+            stale,
+            Err(Error::LostLease {
+                lost_to: idem_core::LostTo::AnotherCall,
+                ..
+            })
+        ),
+        "{stale:?}"
+    );
+    let message = stale.unwrap_err().to_string();
+    assert!(message.contains("taken over by another call"), "{message}");
     assert_eq!(fresh.unwrap().unwrap(), "fresh");
     let replay = execute::<Result<String, Error>, ReleaseErrors, _>(
         Call::new(Some(&run), "tool", short, &1),

@@ -271,11 +271,10 @@ async fn postgres_migrate_upgrades_a_table_of_0_1_in_place_while_0_1_workers_cal
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = Instant::now();
-    let store = PostgresStore::builder(&url)
-        .table(&t)
-        .connect()
-        .await
-        .unwrap();
+    // `migrate()` waits for the indexes and the results, which `connect()` leaves to
+    // the background.
+    let store = PostgresStore::builder(&url).table(&t).build().unwrap();
+    store.migrate().await.unwrap();
     let took = started.elapsed();
     tokio::time::sleep(Duration::from_millis(100)).await;
     stop.store(true, SeqCst);
@@ -370,7 +369,9 @@ async fn postgres_migrate_upgrades_a_table_of_0_1_in_place_while_0_1_workers_cal
     let again = Instant::now();
     PostgresStore::builder(&url)
         .table(&t)
-        .connect()
+        .build()
+        .unwrap()
+        .migrate()
         .await
         .unwrap();
     assert!(
@@ -410,11 +411,13 @@ async fn postgres_workers_starting_together_migrate_a_table_of_0_1_once() {
     for worker in workers {
         worker.await.unwrap().unwrap();
     }
-    // The workers that found the indexes being built went on; one more start finishes
-    // whatever they left.
+    // The workers that found the indexes being built went on; a migration run on its
+    // own finishes whatever they left, and waits for it.
     PostgresStore::builder(&url)
         .table(&t)
-        .connect()
+        .build()
+        .unwrap()
+        .migrate()
         .await
         .unwrap();
     let row = client
@@ -611,11 +614,8 @@ async fn postgres_a_long_table_name_gets_every_index() {
         return;
     };
     let t = format!("{:_<63}", unique("idem_long"));
-    PostgresStore::builder(&url)
-        .table(&t)
-        .connect()
-        .await
-        .unwrap();
+    let store = PostgresStore::builder(&url).table(&t).build().unwrap();
+    store.migrate().await.unwrap();
     let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
         .unwrap();
@@ -633,6 +633,111 @@ async fn postgres_a_long_table_name_gets_every_index() {
     assert_eq!(valid, 6);
     client
         .batch_execute(&format!("DROP TABLE \"{t}\""))
+        .await
+        .unwrap();
+}
+
+/// `connect()` returns within the store's timeout while another session holds a long
+/// transaction open (on another table): `CREATE INDEX CONCURRENTLY`, which the listings'
+/// indexes of an existing table (one of idem 0.1) need, waits for it, so they are built
+/// in the background, and calls work at once. `migrate()` run on its own waits for
+/// them; once the transaction ends, they are there. A new table gets its indexes as it
+/// is made, and waits for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_connect_returns_within_its_timeout_while_a_long_transaction_runs() {
+    let Some(url) = env("IDEM_POSTGRES_URL") else {
+        return;
+    };
+    let (other, old, new) = (
+        unique("idem_other"),
+        unique("idem_connect_old"),
+        unique("idem_connect_new"),
+    );
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {other} (n int); {}",
+            table_of_0_1(&old)
+        ))
+        .await
+        .unwrap();
+    let (long, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    long.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .unwrap();
+    long.batch_execute(&format!("SELECT count(*) FROM {other}"))
+        .await
+        .unwrap();
+
+    let timeout = Duration::from_secs(2);
+    let valid = |t: &str| {
+        format!("SELECT count(*) FROM pg_index WHERE indrelid = '{t}'::regclass AND indisvalid")
+    };
+    let mut stores = Vec::new();
+    for t in [&old, &new] {
+        let started = Instant::now();
+        let store = PostgresStore::builder(&url)
+            .table(t)
+            .timeout(timeout)
+            .connect()
+            .await
+            .unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < timeout * 2,
+            "{t}: connect() took {took:?} with a {timeout:?} timeout"
+        );
+        let run = Run::new(unique("connect")).with_store(store.clone());
+        let ran = Arc::new(AtomicUsize::new(0));
+        assert_eq!(send(&run, 1, &ran).await.unwrap(), "fresh-1");
+        assert_eq!(send(&run, 1, &ran).await.unwrap(), "fresh-1");
+        assert_eq!(ran.load(SeqCst), 1, "{t}: calls work at once");
+        stores.push(store);
+    }
+    let built = |t: String| {
+        let client = &client;
+        async move {
+            client
+                .query_one(&valid(&t), &[])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(
+        built(new.clone()).await,
+        6,
+        "a new table has every index at once"
+    );
+    assert!(
+        built(old.clone()).await < 6,
+        "the long transaction holds the build up"
+    );
+
+    // `migrate()` waits for the long transaction, and builds what is missing.
+    let migrating = tokio::spawn({
+        let store = stores[0].clone();
+        async move { store.migrate().await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!migrating.is_finished(), "migrate() waits for the indexes");
+    long.batch_execute("COMMIT").await.unwrap();
+    migrating.await.unwrap().unwrap();
+    assert_eq!(
+        built(old.clone()).await,
+        6,
+        "the key, the expiry and the four listings"
+    );
+    client
+        .batch_execute(&format!(
+            "DROP TABLE {old}; DROP TABLE {new}; DROP TABLE {other}"
+        ))
         .await
         .unwrap();
 }

@@ -214,10 +214,19 @@ impl PostgresStoreBuilder {
         })
     }
 
-    /// Builds the store, connects, and creates the table if it is missing.
+    /// Builds the store, connects, and creates the table if it is missing (or adds the
+    /// columns a table of idem 0.1 lacks), within the store's timeout, whatever other
+    /// sessions do. The operators' indexes are then built in the background by one
+    /// worker (see [`PostgresStore::migrate`]): calls do not need them.
     pub async fn connect(self) -> Result<PostgresStore, Error> {
         let store = self.build()?;
-        store.migrate().await?;
+        store.create_table(store.inner.timeout).await?;
+        let building = store.clone();
+        tokio::spawn(async move {
+            if let Err(error) = building.build_indexes(false).await {
+                tracing::warn!(table = %building.inner.table, %error, "idem: building the operators' indexes failed; `PostgresStore::migrate()` builds them (listings are slower meanwhile, calls are not)");
+            }
+        });
         Ok(store)
     }
 }
@@ -625,93 +634,158 @@ impl PostgresStore {
     /// Creates the table and its indexes if they are missing, and upgrades a table of
     /// idem 0.1 (idempotent; safe to run from many workers at once, and while calls
     /// run). See the type's docs for each step and the locks it takes.
+    ///
+    /// It returns once every step is done, which can take long: `CREATE INDEX
+    /// CONCURRENTLY` waits for every transaction in the database that began before it
+    /// (an idle session left in a transaction holds it up as long as it stays so), and
+    /// filling the results of a large 0.1 table takes a while. [`PostgresStore::connect`]
+    /// waits only for the table, and leaves the indexes to the background; run
+    /// `migrate()` on its own (a deploy step, a job) to know when they are built.
     pub async fn migrate(&self) -> Result<(), Error> {
+        self.create_table(MIGRATE_TIMEOUT).await?;
+        self.build_indexes(true).await
+    }
+
+    /// The table, its expiry index, and for a table of idem 0.1 the new columns, each
+    /// made only if missing, under an advisory lock, within `timeout`.
+    async fn create_table(&self, timeout: Duration) -> Result<(), Error> {
         let t = &self.inner.table;
-        let base = t
-            .rsplit('.')
-            .next()
-            .unwrap_or(t)
-            .trim_matches('"')
-            .to_owned();
+        let base = self.base_name();
         let lock = t.replace('\'', "");
         let (expires_index, expires_qualified) = index_name(t, &base, "expires_at");
         // A step that fails or is dropped closes the connection rather than return it
-        // to the pool in a failed transaction, or holding the session's lock below.
-        let mut held = Held(Some(self.bounded(self.client()).await?));
+        // to the pool in a failed transaction.
+        let mut held = Held(Some(net::bounded(STORE, timeout, self.client()).await?));
         let client = held
             .0
             .as_ref()
             .ok_or_else(|| pg_error("no migration connection"))?;
-        let has_columns = format!(
-            "SELECT EXISTS (SELECT 1 FROM pg_attribute \
+        let existing = format!(
+            "SELECT to_regclass('{t}') IS NOT NULL, EXISTS (SELECT 1 FROM pg_attribute \
              WHERE attrelid = to_regclass('{t}') AND attname = 'result' AND NOT attisdropped)"
         );
-        let had_columns = self
-            .bounded(async { client.query_one(&has_columns, &[]).await.map_err(pg_error) })
-            .await?
-            .try_get::<_, bool>(0)
-            .map_err(pg_error)?;
-        // The table, its expiry index, and for a table of idem 0.1 the new columns:
-        // nullable or with a constant default, so adding them rewrites nothing. Each is
-        // made only if missing, checked under the lock: a DDL statement on an existing
-        // table would take a lock that calls queue behind (and that deadlocks with an
-        // index another worker builds concurrently). The lock the columns take is brief,
-        // and given up (the migration fails, to be run again) rather than queue every
-        // call behind a long transaction.
+        let existing = client.query_one(&existing, &[]);
+        let existing =
+            net::bounded(STORE, timeout, async { existing.await.map_err(pg_error) }).await?;
+        let existed: bool = existing.try_get(0).map_err(pg_error)?;
+        let had_columns: bool = existing.try_get(1).map_err(pg_error)?;
+        // A new table gets every index at once: on a table no one else can see yet, a
+        // plain `CREATE INDEX` waits for nothing. An existing one gets its expiry index
+        // and, for a table of idem 0.1, the new columns: nullable or with a constant
+        // default, so adding them rewrites nothing. Each is made only if missing,
+        // checked under the lock: a DDL statement on an existing table would take a
+        // lock that calls queue behind (and that deadlocks with an index another
+        // worker builds concurrently). The lock the columns take is brief, and given up
+        // (the migration fails, to be run again) rather than queue every call behind a
+        // long transaction. The listings' indexes of an existing table are built
+        // concurrently, by `build_indexes`.
         let add = COLUMNS_V2
             .split(",\n")
             .map(|column| format!("ADD COLUMN IF NOT EXISTS {}", column.trim()))
             .collect::<Vec<_>>()
             .join(", ");
+        let listings: String = INDEXES
+            .iter()
+            .map(|(suffix, columns)| {
+                let (name, _) = index_name(t, &base, suffix);
+                format!("CREATE INDEX {name} ON {t} {columns};\n")
+            })
+            .collect();
         let create = format!(
             "BEGIN;
              SET LOCAL lock_timeout = '{lock_ms}ms';
              SELECT pg_advisory_xact_lock(hashtext('idem migrate ' || '{lock}'));
-             CREATE TABLE IF NOT EXISTS {t} (
-                 key          text        PRIMARY KEY,
-                 fingerprint  bytea       NOT NULL,
-                 state        smallint    NOT NULL,
-                 token        bytea       NOT NULL,
-                 lease_until  timestamptz,
-                 payload      bytea,
-                 created_at   timestamptz NOT NULL,
-                 expires_at   timestamptz NOT NULL,
-                 {COLUMNS_V2}
-             );
              DO $idem$ BEGIN
-                 IF to_regclass('{expires_qualified}') IS NULL THEN
+                 IF to_regclass('{t}') IS NULL THEN
+                     CREATE TABLE {t} (
+                         key          text        PRIMARY KEY,
+                         fingerprint  bytea       NOT NULL,
+                         state        smallint    NOT NULL,
+                         token        bytea       NOT NULL,
+                         lease_until  timestamptz,
+                         payload      bytea,
+                         created_at   timestamptz NOT NULL,
+                         expires_at   timestamptz NOT NULL,
+                         {COLUMNS_V2}
+                     );
                      CREATE INDEX {expires_index} ON {t} (expires_at);
-                 END IF;
-                 IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('{t}')
-                                AND attname = 'result' AND NOT attisdropped) THEN
-                     ALTER TABLE {t} {add};
+                     {listings}
+                 ELSE
+                     IF to_regclass('{expires_qualified}') IS NULL THEN
+                         CREATE INDEX {expires_index} ON {t} (expires_at);
+                     END IF;
+                     IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('{t}')
+                                    AND attname = 'result' AND NOT attisdropped) THEN
+                         ALTER TABLE {t} {add};
+                     END IF;
                  END IF;
              END $idem$;
              COMMIT;",
-            lock_ms = self.inner.timeout.as_millis(),
+            lock_ms = self.inner.timeout.min(timeout).as_millis(),
         );
-        let batch = |sql: String| async move { client.batch_execute(&sql).await.map_err(pg_error) };
-        net::bounded(STORE, MIGRATE_TIMEOUT, batch(create)).await?;
-        if !had_columns {
+        let created = async { client.batch_execute(&create).await.map_err(pg_error) };
+        net::bounded(STORE, timeout, created).await?;
+        if existed && !had_columns {
             tracing::info!(table = %t, "idem: the table has the record metadata columns of format 2");
         }
-        // The listings' indexes and the results of 0.1's rows: one worker at a time
-        // (an index another is building reads as invalid), while the others go on.
+        held.0 = None;
+        Ok(())
+    }
+
+    /// The listings' indexes and the results of 0.1's rows: one worker at a time (an
+    /// index another is building reads as invalid). When another worker is at it, this
+    /// one waits for it and then builds what it left (`wait`), or returns at once.
+    async fn build_indexes(&self, wait: bool) -> Result<(), Error> {
+        let t = &self.inner.table;
+        let lock = t.replace('\'', "");
+        // Dropped or failed, the connection is closed, and the session's lock with it.
+        let mut held = Held(Some(self.bounded(self.client()).await?));
+        let client = held
+            .0
+            .as_ref()
+            .ok_or_else(|| pg_error("no migration connection"))?;
+        // Waiting is asking again, each time a statement of its own: a statement that
+        // waited for the lock would hold a snapshot, which the other worker's
+        // `CREATE INDEX CONCURRENTLY` waits for in turn.
         let locked = format!("SELECT pg_try_advisory_lock(hashtext('idem index ' || '{lock}'))");
-        let row = self
-            .bounded(async { client.query_one(&locked, &[]).await.map_err(pg_error) })
-            .await?;
-        if !row.try_get::<_, bool>(0).map_err(pg_error)? {
+        let started = std::time::Instant::now();
+        let got = loop {
+            let row = self
+                .bounded(async { client.query_one(&locked, &[]).await.map_err(pg_error) })
+                .await?;
+            let got = row.try_get::<_, bool>(0).map_err(pg_error)?;
+            if got || !wait {
+                break got;
+            }
+            if started.elapsed() > MIGRATE_TIMEOUT {
+                return Err(Error::store(
+                    STORE,
+                    format!("another worker built the indexes for over {MIGRATE_TIMEOUT:?}"),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        if !got {
             tracing::debug!(table = %t, "idem: another worker is building the indexes; going on");
             held.0 = None;
             return Ok(());
         }
-        self.indexes_and_results(client, &base).await?;
+        self.indexes_and_results(client, &self.base_name()).await?;
         let unlock = format!("SELECT pg_advisory_unlock(hashtext('idem index ' || '{lock}'))");
         self.bounded(async { client.query_one(&unlock, &[]).await.map_err(pg_error) })
             .await?;
         held.0 = None;
         Ok(())
+    }
+
+    /// The table's own name, unquoted and without its schema.
+    fn base_name(&self) -> String {
+        let t = &self.inner.table;
+        t.rsplit('.')
+            .next()
+            .unwrap_or(t)
+            .trim_matches('"')
+            .to_owned()
     }
 
     /// Builds the listings' indexes without blocking writes (an index a failed build
