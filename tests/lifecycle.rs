@@ -1068,7 +1068,7 @@ async fn a_store_that_panics_in_a_renewal_does_not_stop_the_heartbeat() {
     let store = Slow::default();
     let panics = store.renew_panics.clone();
     panics.store(true, Ordering::SeqCst);
-    // The first renewal of this call panics, on the timer thread; the next ones
+    // The first renewal of this call panics, on idem's own thread; the next ones
     // keep its claim.
     let run = Run::new("panicking-renewal").with_store(store);
     claim_is_held_throughout(&run).await;

@@ -356,7 +356,7 @@ async fn evict_run(
     }
     confirm(
         yes,
-        &format!("Evict the {n} records of run {run}{left}? Their calls run again when retried."),
+        &format!("Evict the {n} records of run {run}{left}? Its calls run again when retried."),
     )?;
     if force {
         let removed = store.delete_matching(&filter).await?;

@@ -80,7 +80,7 @@ pub(crate) async fn drive<F: Future>(mut body: Pin<&mut F>, beat: &Beat) -> Ran<
     .await
 }
 
-/// Where a claim the timer thread renews stands.
+/// Where a renewed claim stands.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum BeatState {
     Running,

@@ -650,7 +650,7 @@ fn finish_alone(
 }
 
 /// Runs a blocking operation at most once per key: [`execute`] for sync tools. Its claim
-/// is renewed by the timer thread while it runs (a sync body cannot be stopped, so
+/// is renewed by the heartbeat while it runs (a sync body cannot be stopped, so
 /// at `max_run` the renewals stop, and a takeover after the lease fences its result). A
 /// panic in the operation settles the claim by the delivery policy, then goes on.
 ///
@@ -1253,13 +1253,13 @@ async fn settle_run(call: &Call, mut guard: Settle<'_>, ran: Ran<BodyEnd>) -> Re
         Ran::Lost => {
             let store = Arc::clone(guard.store);
             guard.disarm();
-            Err(lost_lease(call, &*store).await)
+            Err(Box::pin(lost_lease(call, &*store)).await)
         }
     }
 }
 
 /// The owner's part of a sync tool's call: runs `body` (`None` if called twice, which
-/// it is not) with the timer thread renewing its claim, then records its outcome.
+/// it is not) with the heartbeat renewing its claim, then records its outcome.
 fn own_blocking(
     call: &Call,
     owner: &Owner,
@@ -1359,19 +1359,18 @@ impl<'a> Settle<'a> {
 
     /// Settles the claim now; stays armed until that has landed. Its renewals stop
     /// first, and one in flight is waited for.
+    ///
+    /// Boxed: a path off the hit and the miss, kept out of the size of their futures
+    /// (which every poll of a finishing call moves).
     async fn settle_now(&mut self, how: Settling, why: &str) {
         self.settling = Some(how);
-        self.take_beat().stop().await;
-        let call = self.call;
-        settle(
-            &**self.store,
-            &call.key,
-            &call.tool,
-            self.token,
-            &call.options,
-            how,
-            why,
-        )
+        let (beat, call) = (self.take_beat(), self.call);
+        let (store, token) = (&**self.store, self.token);
+        Box::pin(async move {
+            beat.stop().await;
+            let options = &call.options;
+            settle(store, &call.key, &call.tool, token, options, how, why).await
+        })
         .await;
         self.settling = None;
     }
@@ -1536,7 +1535,7 @@ async fn settle(
 
 /// The error of a call whose claim was lost, saying what holds its key now: another
 /// call (whose outcome a retry receives), or nothing (the record was removed: a retry
-/// runs the body again).
+/// runs the body again). Called boxed, off the miss's future.
 async fn lost_lease(call: &Call, store: &dyn Store) -> Error {
     let key = &call.key;
     let lost_to = match store_op(store.name(), "get", store.get(key)).await {
@@ -1604,7 +1603,7 @@ async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Resul
         Ok(Fenced::LostLease) => {
             guard.disarm();
             wait::notify(key);
-            Err(lost_lease(call, &**store).await)
+            Err(Box::pin(lost_lease(call, &**store)).await)
         }
         Err(error) => {
             // The body ran: what it returned is the truth, so the caller gets it. The

@@ -20,7 +20,7 @@
 //!
 //! The input and the result are never recorded, in the fields or in idem's events (an
 //! error that may quote them is logged without its details: [`Logged`]). idem's own
-//! events fire inside the span, those of the timer thread and of background work too.
+//! events fire inside the span, those of the heartbeat and of background work too.
 //!
 //! With the `metrics` feature, the same calls are counted through the `metrics` facade
 //! (see `describe_metrics`); labels are the tool, the outcome, the store and the
@@ -384,7 +384,7 @@ fn call_span(tool: &str, key: Option<&Key>, call_id: Option<&str>) -> Span {
 }
 
 /// Runs `f` in `span`, with the span's own subscriber as the default: for events about a
-/// call that fire on another thread (the timer thread's), where the thread's default
+/// call that fire on another thread (the heartbeat's, the background's), where the thread's default
 /// subscriber may not be the call's.
 pub(crate) fn in_span<T>(span: &Span, f: impl FnOnce() -> T) -> T {
     match span.with_subscriber(|(_, dispatch)| dispatch.clone()) {

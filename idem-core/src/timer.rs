@@ -1,8 +1,9 @@
 //! One process-wide thread (`idem-timer`) that keeps the time, sleeping until the next
-//! thing is due: waits sleep on it ([`sleep_until`]), and the heartbeat runs its
-//! renewals from it ([`register`]). Nothing here needs tokio's timer, so it works on a
-//! runtime built without one, on another executor, and with none at all. A panic in
-//! work run here is caught and logged; the thread goes on.
+//! thing is due: waits sleep on it ([`sleep_until`]), and the heartbeat's renewals are
+//! sent when it says ([`register`]; they run elsewhere, so no store's code holds it
+//! up). Nothing here needs tokio's timer, so it works on a runtime built without one,
+//! on another executor, and with none at all. A panic in work run here is caught and
+//! logged; the thread goes on.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -328,7 +329,7 @@ impl Timer {
                     }));
                     if ran.is_err() {
                         tracing::error!(
-                            "idem: a store panicked on the timer thread; the heartbeat goes on"
+                            "idem: work on the timer thread panicked; the timer goes on"
                         );
                     }
                     queue = self.lock();

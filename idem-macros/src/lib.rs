@@ -31,7 +31,8 @@ use proc_macro::TokenStream;
 /// | `wait = "10s"` | how long a concurrent duplicate waits for the first call's result | `max_run` + `lease` |
 /// | `fail_fast` | a concurrent duplicate gets `Error::InProgress` at once | off |
 /// | `at_most_once` | a claim given up without an outcome (a crash, a dropped call, a panic) is `Error::OutcomeUnknown` instead of running again (payments) | at-least-once |
-/// | `reconcile = check` | with `at_most_once`, async tools: before a call answers `OutcomeUnknown`, `check(&key, &arg, ..)` (every argument but the run, by reference) asks the downstream system what happened, and returns `idem::Reconciled`: `Happened(value)` (recorded, and returned to this call and every retry), `NeverHappened` (the call runs now, under a fresh claim) or `Unknown` (`OutcomeUnknown`). Costs one read of the key per call | no hook |
+/// | `reconcile = check` | with `at_most_once`, async tools: before a call answers `OutcomeUnknown`, `check(&key, &arg, ..)` (every argument but the run, by reference) asks the downstream system what happened, and returns `idem::Reconciled`: `Happened(value)` (recorded, and returned to this call and every retry, if it reads back as itself, as a body's result must; otherwise it counts as `Unknown`, with a warning), `NeverHappened` (the call runs now, under a fresh claim) or `Unknown` (`OutcomeUnknown`). Costs one read of the key per call | no hook |
+/// | `reconcile_timeout = "10s"` | with `reconcile`: the longest the hook may take to answer; past it, it is dropped and its answer counts as `Unknown`, with a warning naming the tool and the key | 10 seconds |
 /// | `cache_errors` | store `Err` values and replay them too (needs `E: Serialize + Deserialize`) | errors release the key |
 /// | `name = "send_email"` | the tool name in the key: a string literal, or an expression giving `&str` (`name = Self::NAME`) | the function's path: module, and for a method the type and the trait, with this call's generic arguments (`key::default_tool_name`) |
 /// | `key = [input.to]` | the arguments or fields that form the key; the whole input is still fingerprinted, so the same key with another input is `Error::PayloadMismatch` | all arguments |
@@ -70,8 +71,18 @@ use proc_macro::TokenStream;
 /// call's run (not part of the input; another crate's `Run` written by its path, like
 /// `workflow::Run`, is an input);
 /// otherwise the ambient run of `Run::scope` / `Run::sync_scope` is used, and with
-/// neither the call is `Error::NoRun`. The function must return `Result<T, E>` with
+/// neither the call is `Error::NoRun` (as it is for a run whose id is blank: empty or
+/// only whitespace). The function must return `Result<T, E>` with
 /// `T: Serialize + DeserializeOwned` and `E: From<idem::Error>` (or `map_error`).
+///
+/// **A result is stored only if its retry reads it back as the same value**: its JSON
+/// is read back into `T` and written again, and where `T` implements `PartialEq` (the
+/// attribute finds out where the return type is written, a `Result` or an alias of
+/// one), the value read back must also equal it. A result that fails is
+/// `Error::Unreplayable` at the call that ran, and is not stored. Without `PartialEq`
+/// a field its JSON never holds (`#[serde(skip_serializing, default)]`) comes back to
+/// every retry as its default: derive `PartialEq`, or serialize every field. With
+/// `cache_errors`, errors get the same check (by `PartialEq` where `E` has it).
 ///
 /// An async tool that finishes when its caller stops waiting (the default for one whose
 /// body uses nothing borrowed from its caller, or `on_cancel = "finish"`) must have a

@@ -35,8 +35,8 @@ const STORE: &str = "postgres";
 ///
 /// # Schema
 ///
-/// Created by [`PostgresStore::migrate`] (which [`PostgresStore::connect`] runs), under
-/// an advisory lock so workers starting together do not race. The table name is
+/// Created by [`PostgresStore::connect`] (and [`PostgresStore::migrate`]), under an
+/// advisory lock so workers starting together do not race. The table name is
 /// configurable (`idem_records` by default):
 ///
 /// ```sql
@@ -58,9 +58,12 @@ const STORE: &str = "postgres";
 /// CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at);
 /// ```
 ///
-/// and, built concurrently by one worker, the listings' indexes: `(run_id, key)`,
-/// `(tool, key)`, `(lease_until) WHERE state = 0`, and `(key) WHERE result IS NULL AND
-/// state <> 0` (results still to fill). A result `jsonb` refuses (a `\u0000` escape, a
+/// and the listings' indexes: `(run_id, key)`, `(tool, key)`, `(lease_until) WHERE state
+/// = 0`, and `(key) WHERE result IS NULL AND state <> 0` (results still to fill). A new
+/// table gets them as it is made; an existing one, concurrently, by one worker, in the
+/// background of `connect` (which returns within the store's timeout: `CREATE INDEX
+/// CONCURRENTLY` waits for every older transaction in the database), or waited for by
+/// `migrate()`. A result `jsonb` refuses (a `\u0000` escape, a
 /// number beyond `numeric`) fails the completion's statement, which is then made again
 /// with `result` NULL: no result fails its completion. A table of idem 0.1 (without the metadata) is
 /// upgraded in place: each step runs only when its object is missing, the columns are
