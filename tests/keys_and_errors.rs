@@ -12,6 +12,10 @@ use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Record, Store, Token};
 use idem::{idempotent, Error, Key, LocalCache, MemoryStore, Run, SledStore};
 use serde::{Deserialize, Serialize};
 
+/// Far below the 60-second leases of the tools that use it: a retry that took longer
+/// waited one out.
+const PROMPT: Duration = Duration::from_secs(5);
+
 /// Counts how often a body really ran.
 #[derive(Clone, Default)]
 struct Ran(Arc<AtomicUsize>);
@@ -911,4 +915,309 @@ async fn renewals_a_store_fails_are_retried_at_a_steady_pace() {
             "{failures} failures: {renewals} renewals in {took:?} (at most {most})"
         );
     }
+}
+
+// ----- A field the JSON never holds ----------------------------------------------
+
+/// A receipt whose amount is never serialized: a retry would read it back as 0.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    id: String,
+    #[serde(skip_serializing, default)]
+    amount: u64,
+}
+
+#[idempotent(lease = "60s", skip = [ran])]
+async fn issue_receipt(order: u32, ran: &Ran) -> Result<Receipt, Error> {
+    Ok(Receipt {
+        id: format!("rc-{}", ran.bump()),
+        amount: 4200,
+    })
+}
+
+/// The same receipt without `PartialEq`, which the check then cannot compare.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct OpaqueReceipt {
+    id: String,
+    #[serde(skip_serializing, default)]
+    amount: u64,
+}
+
+#[idempotent(lease = "60s", skip = [ran])]
+async fn issue_opaque_receipt(order: u32, ran: &Ran) -> Result<OpaqueReceipt, Error> {
+    Ok(OpaqueReceipt {
+        id: format!("rc-{}", ran.bump()),
+        amount: 4200,
+    })
+}
+
+#[tokio::test]
+async fn a_field_the_result_never_serializes_is_refused_where_the_type_has_partial_eq() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, store) in stores(dir.path()).await {
+        let run = Run::new(unique("skipped-field")).with_shared_store(store.clone());
+        let ran = Ran::default();
+        // Stored, the first caller would get 4200 and every retry 0: the first caller
+        // is told instead, and nothing is stored.
+        let first = run.scope(issue_receipt(1, &ran)).await.unwrap_err();
+        assert!(
+            matches!(first, Error::Unreplayable { .. }),
+            "{name}: {first}"
+        );
+        assert!(first.to_string().contains("PartialEq"), "{name}: {first}");
+        let key = first.key().unwrap().clone();
+        assert!(
+            store.get(&key).await.unwrap().is_none(),
+            "{name}: nothing stored, the claim released"
+        );
+        // Without `PartialEq` the check cannot see it (the docs say so): the retry gets
+        // the default. This is the case the docs tell users to avoid.
+        let first = run.scope(issue_opaque_receipt(2, &ran)).await.unwrap();
+        let retry = run.scope(issue_opaque_receipt(2, &ran)).await.unwrap();
+        assert_eq!((first.amount, retry.amount), (4200, 0), "{name}");
+        assert_eq!(first.id, retry.id, "{name}: replayed");
+    }
+}
+
+// ----- A runtime shut down under a running body ----------------------------------
+
+/// The email goes out at once; its answer takes `respond_after` (not part of the key).
+#[idempotent(lease = "60s", skip = [ran, respond_after])]
+async fn send_email(ran: Ran, to: String, respond_after: Duration) -> Result<String, Error> {
+    let id = ran.bump();
+    tokio::time::sleep(respond_after).await;
+    Ok(format!("msg-{id}"))
+}
+
+#[idempotent(lease = "60s", at_most_once, skip = [ran, respond_after])]
+async fn charge_card(ran: Ran, cents: u64, respond_after: Duration) -> Result<String, Error> {
+    let id = ran.bump();
+    tokio::time::sleep(respond_after).await;
+    Ok(format!("charge-{id}"))
+}
+
+/// How the runtime under a running body goes away.
+#[derive(Clone, Copy, Debug)]
+enum Shutdown {
+    /// `drop(runtime)`, a multi-threaded runtime.
+    DropMultiThread,
+    /// `drop(runtime)`, a current-thread runtime.
+    DropCurrentThread,
+    /// `runtime.shutdown_timeout(..)`.
+    Timeout,
+}
+
+fn runtime(shutdown: Shutdown) -> tokio::runtime::Runtime {
+    match shutdown {
+        Shutdown::DropCurrentThread => tokio::runtime::Builder::new_current_thread(),
+        _ => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(2);
+            builder
+        }
+    }
+    .enable_all()
+    .build()
+    .unwrap()
+}
+
+/// On each store, for each way a runtime goes and each delivery policy: a call whose
+/// body is running when its runtime shuts down (the call itself, or its body finishing
+/// alone after the agent's timeout dropped the call) has its claim settled at once (the
+/// process lives on), so a retry on a new runtime runs at once (at-least-once) or is
+/// told `OutcomeUnknown` at once (at-most-once), instead of waiting out the lease.
+#[test]
+fn a_runtime_shut_down_under_a_running_body_settles_its_claim_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    for shutdown in [
+        Shutdown::DropMultiThread,
+        Shutdown::DropCurrentThread,
+        Shutdown::Timeout,
+    ] {
+        // The stores are made on the runtime that goes away: their connections die
+        // with it.
+        let first = runtime(shutdown);
+        let stores = first.block_on(stores(dir.path()));
+        let mut firsts = Vec::new();
+        for (name, store) in &stores {
+            for (at_most_once, timed_out) in
+                [(false, false), (true, false), (false, true), (true, true)]
+            {
+                let run = Run::new(unique("runtime-gone")).with_shared_store(store.clone());
+                let ran = Ran::default();
+                let call = {
+                    let (run, ran) = (run.clone(), ran.clone());
+                    async move {
+                        let long = Duration::from_secs(10);
+                        match at_most_once {
+                            false => run.scope(send_email(ran, "ada".into(), long)).await,
+                            true => run.scope(charge_card(ran, 500, long)).await,
+                        }
+                    }
+                };
+                // The agent stops waiting as soon as the body has started.
+                let body_started = {
+                    let ran = ran.clone();
+                    async move {
+                        while ran.get() == 0 {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                    }
+                };
+                drop(first.spawn(async move {
+                    match timed_out {
+                        true => tokio::select! {
+                            _ = call => {}
+                            () = body_started => {}
+                        },
+                        false => drop(call.await),
+                    }
+                }));
+                firsts.push((*name, at_most_once, timed_out, run, ran));
+            }
+        }
+        // Every body is running when the runtime goes, alone where its caller stopped
+        // waiting (driven until then: a current-thread runtime runs its tasks only
+        // inside `block_on`).
+        first.block_on(async {
+            let started = Instant::now();
+            while firsts.iter().any(|(.., p)| p.get() == 0) {
+                let idle: Vec<_> = firsts
+                    .iter()
+                    .filter(|(.., p)| p.get() == 0)
+                    .map(|(name, at_most_once, timed_out, ..)| (name, at_most_once, timed_out))
+                    .collect();
+                assert!(
+                    started.elapsed() < PROMPT,
+                    "{shutdown:?}: these bodies never ran: {idle:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        });
+        match shutdown {
+            Shutdown::Timeout => first.shutdown_timeout(Duration::from_millis(100)),
+            _ => drop(first),
+        }
+        let second = runtime(Shutdown::DropCurrentThread);
+        for (name, at_most_once, timed_out, run, ran) in firsts {
+            let started = Instant::now();
+            let retry = second.block_on(async {
+                match at_most_once {
+                    false => {
+                        run.scope(send_email(ran.clone(), "ada".into(), Duration::ZERO))
+                            .await
+                    }
+                    true => {
+                        run.scope(charge_card(ran.clone(), 500, Duration::ZERO))
+                            .await
+                    }
+                }
+            });
+            let waited = started.elapsed();
+            let case = format!(
+                "{name}, {shutdown:?}, at_most_once: {at_most_once}, timed out: {timed_out}"
+            );
+            assert!(waited < PROMPT, "{case}: the retry waited {waited:?}");
+            match at_most_once {
+                // The first body was stopped mid-way: at-least-once runs it again.
+                false => {
+                    assert_eq!(retry.unwrap(), "msg-2", "{case}");
+                    assert_eq!(ran.get(), 2, "{case}");
+                }
+                // At-most-once never runs it again.
+                true => {
+                    assert!(
+                        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+                        "{case}: {retry:?}"
+                    );
+                    assert_eq!(ran.get(), 1, "{case}");
+                }
+            }
+        }
+    }
+}
+
+// ----- A running call's record removed --------------------------------------------
+
+/// Charges, then waits for `go` before answering; sends its key to `keys` first.
+#[idempotent(lease = "60s", at_most_once, skip = [ran, keys, go])]
+async fn charge_and_wait(
+    order: u32,
+    ran: &Ran,
+    keys: &tokio::sync::mpsc::UnboundedSender<Key>,
+    go: &tokio::sync::Notify,
+) -> Result<usize, Error> {
+    let n = ran.bump();
+    keys.send(idem::current_key().unwrap()).unwrap();
+    go.notified().await;
+    Ok(n)
+}
+
+/// A running call whose record an operator removes (`idem evict --force`,
+/// `Store::delete`) gets `LostLease`, whose message says what is true then: nothing is
+/// stored, and a retry runs the body again, at-most-once or not. (`idem evict` without
+/// `--force` refuses a running claim: the command's own tests.)
+#[tokio::test]
+async fn a_removed_running_claim_is_a_lost_lease_that_says_nothing_is_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, store) in stores(dir.path()).await {
+        let run = Run::new(unique("removed")).with_shared_store(store.clone());
+        let ran = Ran::default();
+        let (keys, mut key) = tokio::sync::mpsc::unbounded_channel();
+        let go = tokio::sync::Notify::new();
+        let first = run.scope(charge_and_wait(1, &ran, &keys, &go));
+        let operator = async {
+            let key = key.recv().await.unwrap();
+            assert!(store.delete(&key).await.unwrap(), "{name}");
+            go.notify_one();
+        };
+        let (first, ()) = tokio::join!(first, operator);
+        let err = first.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::LostLease {
+                    lost_to: idem::LostTo::Removal,
+                    ..
+                }
+            ),
+            "{name}: {err:?}"
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains("removed") && message.contains("a retry runs the body again"),
+            "{name}: {message}"
+        );
+        assert!(!message.contains("retry to receive"), "{name}: {message}");
+        // And so it does.
+        go.notify_one();
+        let retry = run.scope(charge_and_wait(1, &ran, &keys, &go)).await;
+        assert_eq!(retry.unwrap(), 2, "{name}");
+    }
+}
+
+// ----- A blank run id ---------------------------------------------------------------
+
+#[tokio::test]
+async fn a_blank_run_id_is_no_run_and_nothing_runs() {
+    let store = MemoryStore::new();
+    let ran = Ran::default();
+    for id in ["", "   ", "\t\n"] {
+        let run = Run::new(id).with_store(store.clone());
+        let err = run
+            .scope(send_email(ran.clone(), "ada".into(), Duration::ZERO))
+            .await
+            .unwrap_err();
+        match &err {
+            Error::NoRun { blank_id, .. } => assert_eq!(blank_id.as_deref(), Some(id)),
+            other => panic!("{id:?}: {other}"),
+        }
+        assert!(err.to_string().contains("blank"), "{err}");
+    }
+    assert_eq!(ran.get(), 0, "nothing ran");
+    // A run id with text in it is a run.
+    let run = Run::new(" run-7 ").with_store(store);
+    let sent = run.scope(send_email(ran.clone(), "ada".into(), Duration::ZERO));
+    assert_eq!(sent.await.unwrap(), "msg-1");
 }

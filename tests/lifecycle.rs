@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::{idempotent, Error, MemoryStore, Run};
+use idem::store::State;
+use idem::{idempotent, Error, Key, MemoryStore, Reconciled, Run, Store};
+use serde::{Deserialize, Serialize};
 
 /// Far below the 60-second leases of these tools: a retry that took longer waited one
 /// out.
@@ -557,6 +559,18 @@ impl std::io::Write for Captured {
 }
 
 impl Captured {
+    /// Captures this thread's events at `level` and above while the guard lives.
+    fn at(level: tracing::Level) -> (Self, tracing::subscriber::DefaultGuard) {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(level)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        (captured, tracing::subscriber::set_default(subscriber))
+    }
+
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
@@ -571,14 +585,7 @@ async fn export_report(provider: Provider, id: u32) -> Result<String, Error> {
 
 #[tokio::test]
 async fn a_wait_that_lasts_is_logged_at_info_with_the_tool_the_key_and_the_claims_expiry() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _default = tracing::subscriber::set_default(subscriber);
+    let (captured, _logs) = Captured::at(tracing::Level::INFO);
 
     let (run, provider) = (run(), Provider::default());
     let call = || run.scope(export_report(provider.clone(), 3));
@@ -846,70 +853,6 @@ async fn a_call_dropped_while_its_release_is_out_is_still_released() {
     assert_eq!(provider.delivered(), 2);
 }
 
-fn a_runtime_dropped_under_a_finishing_body(store: impl idem::Store + Clone) {
-    for at_most_once in [false, true] {
-        let run = Run::new(format!("runtime-drop-{at_most_once}")).with_store(store.clone());
-        let provider = Provider::default();
-        let first = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        first.block_on(async {
-            let call = async {
-                if at_most_once {
-                    charge_borrowing(&provider, 1).await
-                } else {
-                    send_email(provider.clone(), "ada".into(), Duration::from_secs(2)).await
-                }
-            };
-            let dropped = tokio::time::timeout(Duration::from_millis(200), run.scope(call)).await;
-            assert!(dropped.is_err());
-        });
-        // The runtime goes, and with it the body running on it; the process lives on.
-        drop(first);
-        let second = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let started = Instant::now();
-        let retry = second.block_on(async {
-            if at_most_once {
-                run.scope(charge_borrowing(&provider, 1)).await
-            } else {
-                run.scope(send_email(provider.clone(), "ada".into(), Duration::ZERO))
-                    .await
-            }
-        });
-        assert!(
-            started.elapsed() < PROMPT,
-            "the retry waited {:?}",
-            started.elapsed()
-        );
-        match at_most_once {
-            false => assert_eq!(
-                retry.unwrap(),
-                "msg-2",
-                "the dropped body is settled: runs again"
-            ),
-            true => assert!(
-                matches!(retry, Err(Error::OutcomeUnknown { .. })),
-                "{retry:?}"
-            ),
-        }
-    }
-}
-
-#[test]
-fn a_runtime_dropped_under_a_finishing_body_settles_its_claim_on_memory() {
-    a_runtime_dropped_under_a_finishing_body(MemoryStore::new());
-}
-
-#[test]
-fn a_runtime_dropped_under_a_finishing_body_settles_its_claim_on_sled() {
-    let dir = tempfile::tempdir().unwrap();
-    a_runtime_dropped_under_a_finishing_body(idem::SledStore::open(dir.path()).unwrap());
-}
-
 /// Blocks its thread (wrongly, but it happens) for four times its lease.
 #[idempotent(name = "blocks_its_thread", lease = "300ms", skip = [provider])]
 async fn blocks_its_thread(provider: Provider, id: u32) -> Result<String, Error> {
@@ -1136,4 +1079,223 @@ async fn a_method_generic_over_its_impl_compiles_and_runs() {
     let run = run();
     let ledger = Ledger::<String>(std::marker::PhantomData);
     assert_eq!(run.scope(ledger.record("a".into())).await.unwrap(), 1);
+}
+
+// ----- Reconcile hooks: their values, and their time ---------------------------------
+
+/// Two variants whose JSON overlaps: `I(1)` is written `1`, which reads back as
+/// `F(1.0)`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+enum Amount {
+    F(f64),
+    I(u64),
+}
+
+/// What each hook answers `Happened` with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Answer {
+    Nan,
+    Overlapping,
+    Valid,
+}
+
+/// Whether the charge's body panics (the first call's does, leaving its claim
+/// abandoned).
+static PANIC_FIRST: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+fn body(order: u32, provider: &Provider) -> u64 {
+    provider.deliver();
+    let mut first = PANIC_FIRST.lock().unwrap();
+    if !first.contains(&order) {
+        first.push(order);
+        drop(first);
+        panic!("the charge's process fell over after charging");
+    }
+    7
+}
+
+async fn answers_nan(_key: &Key, _order: &u32, _p: &Provider) -> Reconciled<f64> {
+    Reconciled::Happened(f64::NAN)
+}
+
+#[idempotent(lease = "60s", at_most_once, reconcile = answers_nan, skip = [provider])]
+async fn charge_as_float(order: u32, provider: &Provider) -> Result<f64, Error> {
+    Ok(body(order, provider) as f64)
+}
+
+async fn answers_overlapping(_key: &Key, _order: &u32, _p: &Provider) -> Reconciled<Amount> {
+    Reconciled::Happened(Amount::I(1))
+}
+
+#[idempotent(lease = "60s", at_most_once, reconcile = answers_overlapping, skip = [provider])]
+async fn charge_as_amount(order: u32, provider: &Provider) -> Result<Amount, Error> {
+    Ok(Amount::I(body(order, provider)))
+}
+
+async fn answers_valid(_key: &Key, _order: &u32, _p: &Provider) -> Reconciled<Amount> {
+    Reconciled::Happened(Amount::F(2.5))
+}
+
+#[idempotent(lease = "60s", at_most_once, reconcile = answers_valid, skip = [provider])]
+async fn charge_reconciled(order: u32, provider: &Provider) -> Result<Amount, Error> {
+    Ok(Amount::I(body(order, provider)))
+}
+
+/// Runs `call` on a task of its own, where its body panics: its claim is left
+/// abandoned (at-most-once).
+async fn abandon<T: Send + std::fmt::Debug + 'static>(
+    call: impl std::future::Future<Output = T> + Send + 'static,
+) {
+    let panicked = tokio::spawn(call).await.unwrap_err();
+    assert!(panicked.is_panic());
+}
+
+#[tokio::test]
+async fn a_reconcile_value_that_does_not_read_back_counts_as_unknown() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let run = Run::new("reconcile-read-back").with_shared_store(store.clone());
+    let provider = Provider::default();
+    let (captured, _logs) = Captured::at(tracing::Level::WARN);
+    for answer in [Answer::Nan, Answer::Overlapping, Answer::Valid] {
+        let order = match answer {
+            Answer::Nan => 1,
+            Answer::Overlapping => 2,
+            Answer::Valid => 3,
+        };
+        let (p, r) = (provider.clone(), run.clone());
+        let (tool, retry): (&str, Result<String, Error>) = match answer {
+            Answer::Nan => {
+                abandon(async move { r.scope(charge_as_float(order, &p)).await }).await;
+                let retry = run.scope(charge_as_float(order, &provider)).await;
+                ("charge_as_float", retry.map(|v| format!("{v:?}")))
+            }
+            Answer::Overlapping => {
+                abandon(async move { r.scope(charge_as_amount(order, &p)).await }).await;
+                let retry = run.scope(charge_as_amount(order, &provider)).await;
+                ("charge_as_amount", retry.map(|v| format!("{v:?}")))
+            }
+            Answer::Valid => {
+                abandon(async move { r.scope(charge_reconciled(order, &p)).await }).await;
+                let retry = run.scope(charge_reconciled(order, &provider)).await;
+                ("charge_reconciled", retry.map(|v| format!("{v:?}")))
+            }
+        };
+        match answer {
+            // Stored, every retry for the TTL would get `StoredResult` (NaN) or the
+            // other variant (`F(1.0)`): the value is refused, and the outcome stays
+            // unknown, which is what the call answers.
+            Answer::Nan | Answer::Overlapping => {
+                let err = retry.unwrap_err();
+                assert!(
+                    matches!(err, Error::OutcomeUnknown { .. }),
+                    "{answer:?}: {err}"
+                );
+                let key = err.key().unwrap().clone();
+                let record = store.get(&key).await.unwrap().unwrap();
+                assert!(
+                    matches!(record.state, State::InProgress { .. }),
+                    "{answer:?}: the claim is left abandoned, nothing is stored"
+                );
+                let logs = captured.text();
+                let warning = logs
+                    .lines()
+                    .find(|l| l.contains("reconcile hook's result cannot be stored"))
+                    .unwrap_or_else(|| panic!("{answer:?}: no warning:\n{logs}"));
+                assert!(
+                    warning.contains(&format!("tool=lifecycle::{tool}")),
+                    "{warning}"
+                );
+                assert!(warning.contains(key.as_str()), "{warning}");
+                // A second retry asks again, and answers the same.
+                let again = match answer {
+                    Answer::Nan => run.scope(charge_as_float(order, &provider)).await.err(),
+                    _ => run.scope(charge_as_amount(order, &provider)).await.err(),
+                };
+                assert!(matches!(again, Some(Error::OutcomeUnknown { .. })));
+            }
+            // A value that reads back as itself is recorded and replayed.
+            Answer::Valid => {
+                assert_eq!(retry.unwrap(), "F(2.5)");
+                let replayed = run.scope(charge_reconciled(order, &provider)).await;
+                assert_eq!(replayed.unwrap(), Amount::F(2.5));
+            }
+        }
+        captured.0.lock().unwrap().clear();
+    }
+    assert_eq!(
+        provider.delivered(),
+        3,
+        "each charge ran once, and never again"
+    );
+}
+
+async fn never_answers(_key: &Key, _order: &u32, _p: &Provider) -> Reconciled<u64> {
+    std::future::pending().await
+}
+
+#[idempotent(
+    lease = "60s",
+    at_most_once,
+    reconcile = never_answers,
+    reconcile_timeout = "500ms",
+    skip = [provider]
+)]
+async fn charge_unreconcilable(order: u32, provider: &Provider) -> Result<u64, Error> {
+    Ok(body(order, provider))
+}
+
+async fn answers_late(_key: &Key, _order: &u32, _p: &Provider) -> Reconciled<u64> {
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    Reconciled::Happened(42)
+}
+
+#[idempotent(
+    lease = "60s",
+    at_most_once,
+    reconcile = answers_late,
+    reconcile_timeout = "30s",
+    skip = [provider]
+)]
+async fn charge_reconciled_late(order: u32, provider: &Provider) -> Result<u64, Error> {
+    Ok(body(order, provider))
+}
+
+#[tokio::test]
+async fn a_reconcile_hook_past_its_timeout_counts_as_unknown() {
+    let run = Run::new("hook-timeout").with_store(MemoryStore::new());
+    let provider = Provider::default();
+    let (captured, _logs) = Captured::at(tracing::Level::WARN);
+    let (p, r) = (provider.clone(), run.clone());
+    abandon(async move { r.scope(charge_unreconcilable(10, &p)).await }).await;
+    let started = Instant::now();
+    let retry = run.scope(charge_unreconcilable(10, &provider)).await;
+    let waited = started.elapsed();
+    let err = retry.unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    assert!(
+        waited >= Duration::from_millis(500) && waited < PROMPT,
+        "answered after {waited:?}"
+    );
+    let logs = captured.text();
+    let warning = logs
+        .lines()
+        .find(|l| l.contains("did not answer within its reconcile_timeout"))
+        .unwrap_or_else(|| panic!("no warning:\n{logs}"));
+    assert!(
+        warning.contains("tool=lifecycle::charge_unreconcilable"),
+        "{warning}"
+    );
+    assert!(warning.contains(err.key().unwrap().as_str()), "{warning}");
+    // A hook that answers within its bound settles the call.
+    let (p, r) = (provider.clone(), run.clone());
+    abandon(async move { r.scope(charge_reconciled_late(11, &p)).await }).await;
+    let retry = run.scope(charge_reconciled_late(11, &provider)).await;
+    assert_eq!(retry.unwrap(), 42);
+    assert_eq!(provider.delivered(), 2, "each body ran once");
+    assert_eq!(
+        idem::Options::new().reconcile_timeout,
+        Duration::from_secs(10),
+        "the documented default"
+    );
 }
