@@ -1203,7 +1203,15 @@ async fn a_removed_running_claim_is_a_lost_lease_that_says_nothing_is_stored() {
 async fn a_blank_run_id_is_no_run_and_nothing_runs() {
     let store = MemoryStore::new();
     let ran = Ran::default();
-    for id in ["", "   ", "\t\n"] {
+    for id in [
+        "",
+        "   ",
+        "\t\n",
+        "\u{200b}",
+        "\u{feff}",
+        "\0",
+        " \u{3000}\u{2060} ",
+    ] {
         let run = Run::new(id).with_store(store.clone());
         let err = run
             .scope(send_email(ran.clone(), "ada".into(), Duration::ZERO))

@@ -614,7 +614,9 @@ async fn a_wait_that_lasts_is_logged_at_info_with_the_tool_the_key_and_the_claim
 
 /// A memory store whose answers come late: a claim is applied after `claim_delay` and
 /// answered `claim_answer` after that; a release is applied only after `release_delay`,
-/// and a completion after `complete_delay`.
+/// a completion after `complete_delay`, and a renewal (but a zero-lease one, which
+/// gives a claim up) after `renew_delay` (waiting) or `renew_blocks` (blocking its
+/// thread, as a store doing blocking IO in an `async fn` does).
 #[derive(Clone, Default)]
 struct Slow {
     inner: MemoryStore,
@@ -622,6 +624,8 @@ struct Slow {
     claim_answer: Duration,
     release_delay: Duration,
     complete_delay: Duration,
+    renew_delay: Duration,
+    renew_blocks: Duration,
     /// Renewals panic while this is set.
     renew_panics: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -665,6 +669,10 @@ impl idem::Store for Slow {
     ) -> Result<idem::store::Fenced, Error> {
         if self.renew_panics.swap(false, Ordering::SeqCst) {
             panic!("a store's renewal panicked");
+        }
+        if !lease.is_zero() {
+            std::thread::sleep(self.renew_blocks);
+            tokio::time::sleep(self.renew_delay).await;
         }
         self.inner.renew(key, token, lease, ttl).await
     }
@@ -717,6 +725,87 @@ async fn a_completion_slower_than_the_lease_keeps_the_claim() {
     assert_eq!(first.unwrap(), "msg-1", "no LostLease");
     assert_eq!(waited.unwrap(), "msg-1");
     assert_eq!(provider.delivered(), 1, "the body ran once");
+}
+
+/// A store whose renewals block their thread for ten seconds holds up its own claims'
+/// renewals, not those of every other claim in the process: a body on another store,
+/// three times its one-second lease, keeps its claim throughout (a renewal would have
+/// to be two thirds of a second late to lose it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_blocks_in_its_renewals_holds_up_no_other_claim() {
+    let blocking = Run::new("blocking-renewals").with_store(Slow {
+        renew_blocks: Duration::from_secs(10),
+        ..Slow::default()
+    });
+    let (run, provider) = (run(), Provider::default());
+    let stuck = tokio::spawn({
+        let (blocking, provider) = (blocking.clone(), provider.clone());
+        async move { blocking.scope(slow_record_long(provider, 1)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(2000)).await;
+        run.scope(slow_record_long_fail_fast(provider.clone(), 2))
+            .await
+    };
+    let (owner, duplicate) =
+        tokio::join!(run.scope(slow_record_long(provider.clone(), 2)), duplicate);
+    assert!(
+        matches!(duplicate, Err(Error::InProgress { .. })),
+        "the claim was lost: {duplicate:?}"
+    );
+    assert_eq!(owner.unwrap(), "msg-2", "no LostLease");
+    stuck.abort();
+}
+
+/// A report three times its one-second lease.
+#[idempotent(name = "slow_record_long", lease = "1s", skip = [provider])]
+async fn slow_record_long(provider: Provider, id: u32) -> Result<String, Error> {
+    let n = provider.deliver();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    Ok(n)
+}
+
+/// The same tool, for a duplicate that does not wait.
+#[idempotent(name = "slow_record_long", lease = "1s", fail_fast, skip = [provider])]
+async fn slow_record_long_fail_fast(provider: Provider, id: u32) -> Result<String, Error> {
+    Ok(provider.deliver())
+}
+
+/// A charge whose caller gives up while a renewal of its claim is still out.
+#[idempotent(lease = "2s", at_most_once, on_cancel = "abort", fail_fast, skip = [provider])]
+async fn charge_renewed_late(provider: Provider, cents: u64) -> Result<String, Error> {
+    let n = provider.deliver();
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    Ok(n)
+}
+
+/// A renewal slower than the call's wait for it (a lease) lands after the call gave its
+/// claim up as outcome-unknown, and would make it live again for a lease: the claim is
+/// given up again as soon as it lands, so a retry is told `OutcomeUnknown`, not that a
+/// call nobody runs holds the key.
+#[tokio::test]
+async fn a_renewal_that_lands_after_its_claim_was_given_up_does_not_revive_it() {
+    let run = Run::new("late-renewal").with_store(Slow {
+        renew_delay: Duration::from_millis(2500),
+        ..Slow::default()
+    });
+    let provider = Provider::default();
+    // The first renewal goes out at 0.67 s and lands at 3.2 s; the call is dropped at
+    // 1 s, waits a lease for the renewal, and gives the claim up at 3 s.
+    let first = tokio::time::timeout(
+        Duration::from_secs(1),
+        run.scope(charge_renewed_late(provider.clone(), 500)),
+    )
+    .await;
+    assert!(first.is_err());
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let retry = run.scope(charge_renewed_late(provider.clone(), 500)).await;
+    assert!(
+        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+        "{retry:?}"
+    );
+    assert_eq!(provider.delivered(), 1);
 }
 
 #[idempotent(lease = "60s", skip = [provider])]
@@ -1245,6 +1334,23 @@ async fn charge_unreconcilable(order: u32, provider: &Provider) -> Result<u64, E
     Ok(body(order, provider))
 }
 
+/// Blocks its thread past its tool's timeout, then says it never happened.
+async fn blocks_then_answers(_key: &Key, _order: &u32, _p: &Provider) -> Reconciled<u64> {
+    std::thread::sleep(Duration::from_millis(1200));
+    Reconciled::NeverHappened
+}
+
+#[idempotent(
+    lease = "60s",
+    at_most_once,
+    reconcile = blocks_then_answers,
+    reconcile_timeout = "300ms",
+    skip = [provider]
+)]
+async fn charge_blocking_hook(order: u32, provider: &Provider) -> Result<u64, Error> {
+    Ok(body(order, provider))
+}
+
 async fn answers_late(_key: &Key, _order: &u32, _p: &Provider) -> Reconciled<u64> {
     tokio::time::sleep(Duration::from_millis(200)).await;
     Reconciled::Happened(42)
@@ -1287,12 +1393,21 @@ async fn a_reconcile_hook_past_its_timeout_counts_as_unknown() {
         "{warning}"
     );
     assert!(warning.contains(err.key().unwrap().as_str()), "{warning}");
+    // A hook that blocks its thread cannot be stopped, but its answer after the bound
+    // counts as unknown: the body does not run again.
+    let (p, r) = (provider.clone(), run.clone());
+    abandon(async move { r.scope(charge_blocking_hook(12, &p)).await }).await;
+    let retry = run.scope(charge_blocking_hook(12, &provider)).await;
+    assert!(
+        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+        "{retry:?}"
+    );
     // A hook that answers within its bound settles the call.
     let (p, r) = (provider.clone(), run.clone());
     abandon(async move { r.scope(charge_reconciled_late(11, &p)).await }).await;
     let retry = run.scope(charge_reconciled_late(11, &provider)).await;
     assert_eq!(retry.unwrap(), 42);
-    assert_eq!(provider.delivered(), 2, "each body ran once");
+    assert_eq!(provider.delivered(), 3, "each body ran once");
     assert_eq!(
         idem::Options::new().reconcile_timeout,
         Duration::from_secs(10),

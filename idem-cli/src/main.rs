@@ -260,8 +260,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 
 /// Evicts one record. A running call's claim is refused without `force`: removing it
 /// would make the call lose its claim and its result, and a retry run the body again.
-/// An abandoned claim is removed only if it is still abandoned when the store removes
-/// it (a fenced `resolve`), so a call that took it over meanwhile keeps it.
+/// Without `force` the record is removed only if it is still not a running call's claim
+/// when the store removes it (`Store::delete_settled`).
 async fn evict_key(
     store: &dyn Store,
     key: Key,
@@ -311,29 +311,30 @@ async fn evict_key(
             output::whose(&record)
         ),
     )?;
-    let removed = match (&record.state, force) {
-        (State::InProgress { token, .. }, false) => {
-            match store.resolve(&key, *token, Resolution::Released).await? {
-                Fenced::Applied => true,
-                Fenced::LostLease => {
-                    return Err(Failure(
-                        Exit::Refused,
-                        format!(
-                            "`{key}` changed while it was being evicted (a call took it over, \
-                             or it was settled); look again with `idem show {key}`"
-                        ),
-                    ))
-                }
+    let removed = match force {
+        true => store.delete(&key).await?,
+        // Removed only if it is still not a running call's claim when the store removes
+        // it (a call may have taken an abandoned claim over, or claimed an expired
+        // record again, since it was read).
+        false => {
+            if !store.delete_settled(&key).await? {
+                return Err(Failure(
+                    Exit::Refused,
+                    format!(
+                        "`{key}` changed while it was being evicted (a call took it over, or \
+                         it was settled or removed); look again with `idem show {key}`"
+                    ),
+                ));
             }
+            true
         }
-        _ => store.delete(&key).await?,
     };
     emit(&out.done(&format!("evicted {key}"), u64::from(removed)))
 }
 
 /// Evicts a run's records. Without `force`, its running calls' claims stay (and are
-/// counted), and its abandoned claims are removed only if still abandoned, as
-/// [`evict_key`] does.
+/// counted): the run's completed, failed and abandoned records are removed, each only
+/// if still so when the store removes it (`Store::delete_matching`).
 async fn evict_run(
     store: &dyn Store,
     filter: Filter,
@@ -362,31 +363,19 @@ async fn evict_run(
         let removed = store.delete_matching(&filter).await?;
         return emit(&out.done(&format!("evicted {removed} records of run {run}"), removed));
     }
+    // Each record is removed only if it is still in a settled state when the store
+    // removes it, so a call that claims one meanwhile keeps its claim.
     let mut removed = 0;
-    for state in [StateKind::Completed, StateKind::Failed] {
+    for state in [
+        StateKind::Completed,
+        StateKind::Failed,
+        StateKind::Abandoned,
+    ] {
         let filter = Filter {
             state: Some(state),
             ..filter.clone()
         };
         removed += store.delete_matching(&filter).await?;
-    }
-    let abandoned = Filter {
-        state: Some(StateKind::Abandoned),
-        ..filter
-    };
-    let mut after = None;
-    loop {
-        let page = store.list(&abandoned, after.as_ref(), 1_000).await?;
-        for listed in &page.records {
-            if let State::InProgress { token, .. } = listed.record.state {
-                let resolved = store.resolve(&listed.key, token, Resolution::Released);
-                removed += u64::from(resolved.await? == Fenced::Applied);
-            }
-        }
-        match page.next {
-            Some(next) => after = Some(next),
-            None => break,
-        }
     }
     emit(&out.done(
         &format!("evicted {removed} records of run {run}{left}"),

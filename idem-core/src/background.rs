@@ -19,8 +19,11 @@
 //! store's connections that lived on that runtime are gone with it; its pool opens
 //! new ones.)
 //!
-//! [`spawn`] sends an operation straight to idem's own runtime, polled nowhere else:
-//! the heartbeat's renewals, so that no store's code ever runs on the timer thread.
+//! [`spawn`] runs an operation off every thread that matters to anyone else: its first
+//! poll on a thread of idem's own runtime's blocking pool, where a store that blocks
+//! (sled behind its IO, a custom store that does blocking IO in an `async fn`) holds up
+//! only that thread, and the rest as a task of idem's own runtime. The heartbeat's
+//! renewals run so, never on the timer thread and never behind each other.
 
 use std::future::Future;
 use std::panic::{self, AssertUnwindSafe};
@@ -64,16 +67,15 @@ pub(crate) fn detach(
     }
 }
 
-/// Runs `operation` on idem's own runtime (see the module docs), never in place.
+/// Runs `operation` off the caller's thread (see the module docs): its first poll on a
+/// blocking thread of idem's own runtime, the rest as a task there.
 pub(crate) fn spawn(operation: impl Future<Output = ()> + Send + 'static) {
-    match own_runtime() {
-        Some(own) => drop(own.spawn(Detached {
-            operation: Some(Box::pin(operation)),
-            rescue: None,
-        })),
+    let Some(own) = own_runtime() else {
         // No thread of its own: in place, as a last resort.
-        None => detach(operation, None, None),
-    }
+        return detach(operation, None, None);
+    };
+    let operation: Op = Box::pin(operation);
+    drop(own.spawn_blocking(move || on_own_runtime(operation)));
 }
 
 /// Runs `operation` on idem's own runtime: its first poll here, inside that runtime's

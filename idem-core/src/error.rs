@@ -18,10 +18,10 @@ use crate::Key;
 #[non_exhaustive]
 pub enum Error {
     /// The call had no run id: no `Run` argument and no ambient run (`Run::scope` or
-    /// `Run::sync_scope`), or a run whose id is blank (empty, or only whitespace, as a
-    /// request's `_meta["idem/run"] = ""` gives). idem never derives a key from a missing
-    /// run id, since every run would then share it: a second agent's identical call
-    /// would get the first one's result and never run.
+    /// `Run::sync_scope`), or a run whose id is blank (empty, or only whitespace and
+    /// invisible characters, as a request's `_meta["idem/run"] = ""` gives). idem never
+    /// derives a key from a missing run id, since every run would then share it: a
+    /// second agent's identical call would get the first one's result and never run.
     #[error("{}", no_run(tool, blank_id.as_deref()))]
     NoRun {
         /// The tool that was called.

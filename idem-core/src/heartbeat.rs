@@ -19,9 +19,12 @@
 //! applies: the claim is renewed while its outcome is written. A sync body cannot be
 //! stopped from outside: at `max_run` its renewals stop.
 //!
-//! A claim given up without an outcome is first let go of here ([`Beat::stop`]), which
-//! waits for a renewal still in flight: one that landed after the claim was given up
-//! as abandoned would make it live again for a lease.
+//! One renewal of a claim is in flight at a time: a store slower than a third of the
+//! lease gets its next renewal when it answered, not a pile of them. A claim given up
+//! without an outcome is first let go of here ([`Beat::stop`]), which waits for a
+//! renewal still in flight: one that landed after the claim was given up as abandoned
+//! would make it live again for a lease. One slower than that wait (a lease) that
+//! finds the claim let go of when it lands gives it up again at once.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -336,11 +339,6 @@ impl Periodic for Entry {
     /// Sends a renewal, or stops the body at its deadline; returns when to look at the
     /// claim next, if ever.
     fn tick(self: Arc<Self>) -> Option<Instant> {
-        // Counted before the state is read, and `Beat::stop` reads the count after it
-        // ends the state: either this tick sees the end and sends nothing, or the stop
-        // sees this renewal in flight and waits for it.
-        self.in_flight.fetch_add(1, AtomicOrdering::SeqCst);
-        let flight = InFlight(Arc::clone(&self));
         if self.state.load(AtomicOrdering::SeqCst) != RUNNING {
             return None;
         }
@@ -353,16 +351,51 @@ impl Periodic for Entry {
             self.stop(OVER_MAX_RUN);
             return None;
         }
+        // One renewal at a time: one still out is waited for, and looked at again soon.
+        let sent =
+            self.in_flight
+                .compare_exchange(0, 1, AtomicOrdering::SeqCst, AtomicOrdering::SeqCst);
+        if sent.is_err() {
+            return Some(now + retry_after(self.every));
+        }
+        let flight = InFlight(Arc::clone(&self));
+        // Counted before the state is read again, and `Beat::stop` reads the count after
+        // it ends the state: either this tick sees the end and sends nothing, or the stop
+        // sees this renewal in flight and waits for it.
+        if self.state.load(AtomicOrdering::SeqCst) != RUNNING {
+            return None;
+        }
         let next = self.next(now);
         background::spawn(async move {
             let renewing = self
                 .store
                 .renew(&self.key, self.token, self.lease, self.ttl);
             let renewed = store_op(self.store.name(), "renew", renewing).await;
+            let revived = matches!(renewed, Ok(Fenced::Applied))
+                && self.state.load(AtomicOrdering::SeqCst) == ENDED;
             self.renewed(renewed);
+            if revived {
+                self.give_up_again().await;
+            }
             drop(flight);
         });
         Some(next)
+    }
+}
+
+impl Entry {
+    /// A renewal landed after the call let go of its claim (a store slower than the
+    /// wait in [`Quiet::wait`]): if the call gave the claim up as abandoned, this renewal
+    /// made it live again for a lease, so it is given up again (a zero lease, fenced by
+    /// the token: on a claim the call settled otherwise, or not yet, it changes nothing
+    /// the settling does not change too).
+    async fn give_up_again(&self) {
+        let giving_up = self
+            .store
+            .renew(&self.key, self.token, Duration::ZERO, self.ttl);
+        let given_up = store_op(self.store.name(), "renew", giving_up).await;
+        tracing::debug!(tool = %self.tool, key = %self.key, ?given_up, "idem: a renewal landed after its call let go of the claim; the claim is given up again");
+        crate::wait::notify(&self.key);
     }
 }
 

@@ -363,7 +363,7 @@ impl Call {
     ) -> Result<Call, Error> {
         let run = match run.cloned().or_else(Run::current) {
             // A blank id would make every such caller one run.
-            Some(run) if !run.id().trim().is_empty() => run,
+            Some(run) if !crate::run::is_blank(run.id()) => run,
             run => {
                 let error = Error::NoRun {
                     tool: tool.to_owned(),

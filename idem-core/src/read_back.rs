@@ -19,7 +19,8 @@
 //! both directions, such as `Some(())` in an `Option<()>` (both `Some(())` and `None`
 //! are `null`) when the type has no `PartialEq`, nor a `Deserialize` that reorders a
 //! sequence, since sequences are compared as unordered. A value that is not equal to
-//! itself (a NaN inside, kept by a custom `Serialize`) is compared by its JSON only.
+//! itself (a NaN inside, kept by a custom `Serialize`) is compared by its JSON only, as
+//! is a generic `T` whose function does not require `T: PartialEq`.
 //!
 //! Whether a type has `PartialEq` is known only where its name is written, in the
 //! attribute's generated code, which asks with [`Probe`] of the tool's return type

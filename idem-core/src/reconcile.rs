@@ -18,7 +18,8 @@
 //!
 //! The hook has the tool's `reconcile_timeout` to answer (10 seconds by default;
 //! [`Options::reconcile_timeout`](crate::Options::reconcile_timeout)): past it, it is
-//! dropped where it stands, and its answer counts as unknown. A value it answers must
+//! dropped where it stands, and its answer counts as unknown (an answer from a hook
+//! that blocked its thread past it, too). A value it answers must
 //! read back as itself, as a body's result must (see [`crate::read_back`]); one that
 //! does not (a NaN, a field its JSON never holds) counts as unknown too, since storing
 //! it would give every later call another value, or an error. Either way a warning
@@ -160,7 +161,9 @@ pub async fn abandoned(call: &Result<Call, Error>) -> Option<Abandoned> {
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
 /// Awaits a reconcile hook's `answer` for at most the tool's `reconcile_timeout`; past
-/// it, the hook is dropped and the answer is [`Reconciled::Unknown`], with a warning.
+/// it, the hook is dropped and the answer is [`Reconciled::Unknown`], with a warning. A
+/// hook that blocks its thread cannot be stopped: its answer, when it comes after the
+/// timeout, is [`Reconciled::Unknown`] all the same.
 pub async fn ask<T>(
     call: &Result<Call, Error>,
     answer: impl Future<Output = Reconciled<T>>,
@@ -176,7 +179,9 @@ pub async fn ask<T>(
     let mut alarm = std::pin::pin!(crate::timer::sleep_until(deadline));
     let answered = std::future::poll_fn(|cx| {
         if let Poll::Ready(answer) = answer.as_mut().poll(cx) {
-            return Poll::Ready(Some(answer));
+            // An answer that came too late (a hook that blocked its thread, or waited
+            // behind other tasks) counts as none.
+            return Poll::Ready(Some(answer).filter(|_| Instant::now() <= deadline));
         }
         alarm.as_mut().poll(cx).map(|()| None)
     })

@@ -13,6 +13,21 @@ tokio::task_local! {
     pub(crate) static CURRENT_KEY: Key;
 }
 
+/// Whether a run id is blank: empty, or nothing but whitespace, control characters and
+/// the invisible format characters a copy and paste brings along (zero-width spaces and
+/// joiners, the byte order mark, direction marks). Such an id is no run
+/// ([`Error::NoRun`]): every caller that sent one would share it.
+pub(crate) fn is_blank(id: &str) -> bool {
+    id.chars().all(|c| {
+        c.is_whitespace()
+            || c.is_control()
+            || matches!(c, '\u{00ad}' | '\u{034f}' | '\u{061c}' | '\u{115f}' | '\u{1160}'
+                | '\u{17b4}' | '\u{17b5}' | '\u{180b}'..='\u{180f}' | '\u{200b}'..='\u{200f}'
+                | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{206f}' | '\u{3164}'
+                | '\u{fe00}'..='\u{fe0f}' | '\u{feff}' | '\u{ffa0}' | '\u{fff0}'..='\u{fff8}')
+    })
+}
+
 /// One agent run: the "who" of every idempotency key, and the store that keeps them.
 ///
 /// Cheap to clone (`Arc` inside), `Send + Sync`. Make one per agent run (a conversation,

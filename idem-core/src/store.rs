@@ -215,10 +215,17 @@ pub trait Store: Send + Sync + 'static {
         }
     }
 
-    /// Removes every live record that matches `filter`, whatever its state (a call
-    /// running under one loses its lease); returns how many were removed. A value the
-    /// store cannot read matches no filter, and stays. The default walks
-    /// [`Store::list`] and deletes each record with [`Store::delete`].
+    /// Removes every live record that matches `filter` (a call running under one loses
+    /// its lease); returns how many were removed. A value the store cannot read matches
+    /// no filter, and stays.
+    ///
+    /// A record is removed only if it still matches when it is removed: one written
+    /// since it was read (renewed, completed, claimed again after it expired) is
+    /// judged as it is then, so a filter of settled states (`Completed`, `Failed`,
+    /// `Abandoned`) never removes a running call's claim. The built-in stores keep this
+    /// in one atomic step per record. The default walks [`Store::list`] and deletes each
+    /// record with [`Store::delete`], so a record written between the two is removed
+    /// all the same: a store whose operators evict running runs should do better.
     async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
         let (mut removed, mut after) = (0, None);
         loop {
@@ -230,6 +237,25 @@ pub trait Store: Send + Sync + 'static {
                 Some(next) => after = Some(next),
                 None => return Ok(removed),
             }
+        }
+    }
+
+    /// Removes the record under `key` unless it is a running call's claim (in progress,
+    /// its lease not run out, by the store's clock), in one step; returns whether a live
+    /// record was removed. What `idem evict` does without `--force`: removing a running
+    /// claim would make its call lose it (its result is not stored, and a retry runs the
+    /// body again, at-most-once or not).
+    ///
+    /// The built-in stores decide and remove atomically. The default reads the record
+    /// and then deletes it, so a claim made between the two (a record that expired and
+    /// was claimed again) is removed all the same.
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        match self.get(key).await? {
+            Some(record) if StateKind::of(&record, Timestamp::now()) == StateKind::Running => {
+                Ok(false)
+            }
+            Some(_) => self.delete(key).await,
+            None => Ok(false),
         }
     }
 
@@ -352,6 +378,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
         (**self).delete_matching(filter).await
+    }
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        (**self).delete_settled(key).await
     }
     async fn resolve(
         &self,
@@ -746,7 +775,7 @@ impl Counts {
 }
 
 /// How many records a page of the default walks holds.
-const WALK_PAGE: usize = 1_000;
+pub(crate) const WALK_PAGE: usize = 1_000;
 
 /// A page of `limit` records from a sorted stream of keyed records: the listing of a
 /// store whose keys are in order. `entries` yields every live key in key order, from

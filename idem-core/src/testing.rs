@@ -58,6 +58,7 @@ pub async fn run_all(store: Arc<dyn Store>) {
     records_keep_their_origin_and_history(&*store).await;
     listings_filter_and_page(&*store).await;
     delete_matching_removes_only_matching_records(&*store).await;
+    settled_deletes_leave_running_claims(&*store).await;
     resolve_settles_only_abandoned_claims(&*store).await;
     concurrent_claims_have_one_winner(store.clone()).await;
     concurrent_takeovers_have_one_winner(store.clone()).await;
@@ -1078,6 +1079,64 @@ pub async fn delete_matching_removes_only_matching_records(store: &dyn Store) {
         left.total() == kept.len() as u64,
         "another run kept {left:?}"
     );
+}
+
+/// Deletes that leave running calls' claims (what `idem evict` does without `--force`):
+/// `delete_settled` removes a completed, failed or abandoned record and keeps a running
+/// claim; `delete_matching` by a settled state removes only records in that state.
+pub async fn settled_deletes_leave_running_claims(store: &dyn Store) {
+    let name = "settled_deletes_leave_running_claims";
+    let origin = unique_origin(name, "send_email");
+    let made = fill_run(name, store, &origin).await;
+    for (kind, key) in &made {
+        let removed = ok(name, store.delete_settled(key).await).await;
+        let there = ok(name, store.get(key).await).await.is_some();
+        match kind {
+            StateKind::Running => check!(
+                name,
+                !removed && there,
+                "a running claim was removed ({removed}, still there: {there})"
+            ),
+            _ => check!(
+                name,
+                removed && !there,
+                "a {kind} record was not removed ({removed}, still there: {there})"
+            ),
+        }
+    }
+    let absent = ok(name, store.delete_settled(&unique_key(name)).await).await;
+    check!(name, !absent, "an absent key was reported removed");
+
+    let origin = unique_origin(name, "send_email");
+    let made = fill_run(name, store, &origin).await;
+    let mut removed = 0;
+    for state in [
+        StateKind::Completed,
+        StateKind::Failed,
+        StateKind::Abandoned,
+    ] {
+        let filter = Filter {
+            run_id: Some(origin.run_id.to_string()),
+            state: Some(state),
+            ..Filter::default()
+        };
+        removed += ok(name, store.delete_matching(&filter).await).await;
+    }
+    let running = made.iter().filter(|(k, _)| *k == StateKind::Running);
+    check!(
+        name,
+        removed == (made.len() - running.clone().count()) as u64,
+        "removed {removed} of {} settled records",
+        made.len() - running.clone().count()
+    );
+    for (_, key) in running {
+        let record = ok(name, store.get(key).await).await;
+        check!(
+            name,
+            record.is_some(),
+            "the running claim {key} was removed"
+        );
+    }
 }
 
 /// An abandoned claim is resolved as completed (the next call replays the result) or

@@ -7,8 +7,10 @@
 //! async fn send_email(input: SendEmail) -> Result<Sent, ToolError> {
 //!     let __idem_call = ::idem::__private_0_1_0::Call::from_args(
 //!         None, "send_email", OPTIONS, &[&input as &dyn KeyInput], None);
+//!     // Whether `Sent` has `PartialEq`, for the read-back check (autoref specialisation).
+//!     let __idem_compare = Compare::new((&&Probe::<Result<Sent, ToolError>>::new()).ok(), JsonOnly);
 //!     match ::idem::__private_0_1_0::execute::<Result<Sent, ToolError>, ReleaseErrors, _>(
-//!         __idem_call, async move { body }).await
+//!         Checked::new(__idem_call, __idem_compare), async move { body }).await
 //!     {
 //!         Ok(output) => output,                          // run now, or replayed
 //!         Err(error) => from_idem_error(error),          // E: From<idem::Error>
@@ -237,29 +239,25 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     let call_ident = format_ident!("__idem_call");
     // How the tool's outcomes are compared when read back before they are stored: by
     // `PartialEq` where the types have it (asked where their names are written, see
-    // `read_back` in idem-core), always by JSON. `output` is the tool's `Result` type,
-    // when it can be named; without it, by JSON only.
-    let compare = |output: Option<&Type>| match output {
-        Some(output) => {
-            let err = match args.cache_errors {
-                true => quote!(__idem_probe.err()),
-                false => quote!(#private::JsonOnly),
+    // `read_back` in idem-core), always by JSON. `output` is the tool's `Result` type.
+    let compare = |output: &Type| {
+        let err = match args.cache_errors {
+            true => quote!(__idem_probe.err()),
+            false => quote!(#private::JsonOnly),
+        };
+        let compare = quote_spanned! {output.span()=>
+            // The probe's shape: a reference the compiler derefs to find the method,
+            // and a conversion that is the identity for one of the two answers.
+            #[allow(clippy::needless_borrow, clippy::useless_conversion)]
+            let #compare_ident = {
+                #[allow(unused_imports)]
+                use #private::{ErrByJson as _, ErrByPartialEq as _, OkByJson as _, OkByPartialEq as _};
+                let __idem_probe = &&#private::Probe::<#output>::new();
+                #private::Compare::new(__idem_probe.ok(), #err)
             };
-            let compare = quote_spanned! {output.span()=>
-                // The probe's shape: a reference the compiler derefs to find the method,
-                // and a conversion that is the identity for one of the two answers.
-                #[allow(clippy::needless_borrow, clippy::useless_conversion)]
-                let #compare_ident = {
-                    #[allow(unused_imports)]
-                    use #private::{ErrByJson as _, ErrByPartialEq as _, OkByJson as _, OkByPartialEq as _};
-                    let __idem_probe = &&#private::Probe::<#output>::new();
-                    #private::Compare::new(__idem_probe.ok(), #err)
-                };
-            };
-            let checked = quote!(#private::Checked::new(#call_ident, #compare_ident));
-            (compare, checked)
-        }
-        None => (quote!(), quote!(#call_ident)),
+        };
+        let checked = quote!(#private::Checked::new(#call_ident, #compare_ident));
+        (compare, checked)
     };
     let explicit = args
         .on_cancel
@@ -299,7 +297,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     if func.sig.asyncness.is_some() {
         let mut block = (*func.block).clone();
         let owned = cancel::decide(&func, &block, explicit)?;
-        let (compare, checked) = compare(Some(&ret));
+        let (compare, checked) = compare(&ret);
         let executed = execute(owned, &mut block, &quote!(#ret), &checked, ret.span());
         let body = finish(quote_spanned!(ret.span()=> #executed.await));
         let reconcile = reconcile(&ret);
@@ -321,22 +319,15 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             stmts: std::mem::take(&mut inner.stmts),
         };
         let owned = cancel::decide(&signature, &block, explicit)?;
-        // The boxed future's `Output`, the tool's `Result`, where it can be found.
-        let output = future_output(&ret);
-        let (compare, checked) = compare(output.as_ref());
+        // The boxed future's `Output`, the tool's `Result`: as written, or through the
+        // `Future` trait (a return type behind an alias, `BoxFuture<Result<T, E>>`).
+        let output = future_output(&ret)
+            .unwrap_or_else(|| syn::parse_quote!(<#ret as ::core::future::Future>::Output));
+        let (compare, checked) = compare(&output);
         let executed = execute(owned, &mut block, &quote!(_), &checked, Span::call_site());
         let body = finish(quote!(#executed.await));
-        // The hook's answer is the tool's value: name the output the boxed future has.
-        let reconcile = match (&args.reconcile, output) {
-            (Some((_, option)), None) => {
-                return Err(syn::Error::new_spanned(
-                    option,
-                    "`reconcile` needs the tool's output type, and this function returns a \
-                     boxed future whose `Output` it cannot find",
-                ))
-            }
-            (_, output) => output.map(|output| reconcile(&output)).unwrap_or_default(),
-        };
+        // The hook's answer is the tool's value: the output the boxed future has.
+        let reconcile = reconcile(&output);
         inner.stmts = syn::parse_quote!(
             #run_source
             let #call_ident = #call;
@@ -360,7 +351,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
             ));
         }
         let block = &func.block;
-        let (compare, checked) = compare(Some(&ret));
+        let (compare, checked) = compare(&ret);
         let body = finish(quote_spanned!(ret.span()=>
             #private::execute_blocking::<#ret, #policy, _>(#checked, move || #block)
         ));

@@ -71,8 +71,8 @@ use proc_macro::TokenStream;
 /// call's run (not part of the input; another crate's `Run` written by its path, like
 /// `workflow::Run`, is an input);
 /// otherwise the ambient run of `Run::scope` / `Run::sync_scope` is used, and with
-/// neither the call is `Error::NoRun` (as it is for a run whose id is blank: empty or
-/// only whitespace). The function must return `Result<T, E>` with
+/// neither the call is `Error::NoRun` (as it is for a run whose id is blank: empty, or
+/// only whitespace and invisible characters). The function must return `Result<T, E>` with
 /// `T: Serialize + DeserializeOwned` and `E: From<idem::Error>` (or `map_error`).
 ///
 /// **A result is stored only if its retry reads it back as the same value**: its JSON

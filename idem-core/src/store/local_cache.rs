@@ -360,6 +360,12 @@ impl<S: Store> Store for LocalCache<S> {
         deleted
     }
 
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        let deleted = self.inner.delete_settled(key).await;
+        self.lock().remove(key);
+        deleted
+    }
+
     async fn resolve(
         &self,
         key: &Key,

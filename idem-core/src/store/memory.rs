@@ -263,6 +263,33 @@ impl Store for MemoryStore {
             .is_some_and(|r| !r.is_expired(now)))
     }
 
+    /// Decided and removed under the map's lock.
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        let now = Timestamp::now();
+        let mut map = sync::write(self.shard(key));
+        match map.get(key) {
+            Some(r) if !r.is_expired(now) && StateKind::of(r, now) != StateKind::Running => {
+                map.remove(key);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// One walk of the maps, each record judged and removed under its map's lock.
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        let now = Timestamp::now();
+        let mut removed = 0;
+        for shard in self.shards.iter() {
+            sync::write(shard).retain(|key, record| {
+                let matches = !record.is_expired(now) && filter.matches(key, record, now);
+                removed += u64::from(matches);
+                !matches
+            });
+        }
+        Ok(removed)
+    }
+
     /// Walks the maps one at a time, so calls wait at most for one map's walk. The
     /// removed records are freed after the map's lock is released, on a blocking thread
     /// when there is a tokio runtime (in place if the OS starts no thread), and the task

@@ -331,6 +331,7 @@ struct Sql {
     renew: String,
     release: String,
     delete: String,
+    delete_settled: String,
     purge: String,
     resolve_completed: String,
     resolve_completed_plain: String,
@@ -423,6 +424,10 @@ impl Sql {
                 "DELETE FROM {t} WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
             ),
             delete: format!("DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now()"),
+            delete_settled: format!(
+                "DELETE FROM {t} WHERE key = $1 AND expires_at > now() \
+                 AND NOT (state = 0 AND lease_until > now())"
+            ),
             // `$1` in whole milliseconds, rounded down from the last batch's latest expiry.
             purge: format!(
                 "WITH gone AS (DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
@@ -1337,6 +1342,13 @@ impl Store for PostgresStore {
             Some(row) => row.try_get::<_, bool>(0).map_err(pg_error),
             None => Ok(false),
         }
+    }
+
+    /// One statement: the row is judged and removed under its lock.
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        let sql = &self.inner.sql.delete_settled;
+        let removed = self.bounded(self.modified(sql, &[&key.as_str()])).await?;
+        Ok(removed == 1)
     }
 
     /// Deletes expired rows in batches of 10,000 rows, each one statement within

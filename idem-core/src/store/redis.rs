@@ -16,7 +16,7 @@ use crate::record::{
 use crate::store::net::{self, in_local_clock};
 use crate::store::{
     decide_claim, decide_resolution, Claim, ClaimRequest, Cursor, Fenced, Filter, Listed, Outcome,
-    Page, Resolution, Store, Unreadable,
+    Page, Resolution, StateKind, Store, Unreadable, WALK_PAGE,
 };
 use crate::{Error, Key};
 
@@ -421,6 +421,101 @@ impl RedisStore {
             .transpose()
     }
 
+    /// A page of the listing (see [`Store::list`]), with the bytes each listed record
+    /// was read as.
+    async fn page(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<(Page, Vec<Vec<u8>>), Error> {
+        let cursor = after.map_or("0", |c| c.0.as_str()).to_owned();
+        let pattern = format!("{}*", glob_escape(&self.inner.prefix));
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(&cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(limit.max(1));
+        let listing = Key::from_text(format!("{pattern} (listing)"));
+        let (next, keys): (String, Vec<Vec<u8>>) = self
+            .send(
+                &listing,
+                |mut c| async move { scan.query_async(&mut c).await },
+            )
+            .await?;
+        let mut page = Page {
+            next: (next != "0").then_some(Cursor(next)),
+            now: Timestamp::now(),
+            ..Page::default()
+        };
+        let mut bytes = Vec::new();
+        if keys.is_empty() {
+            return Ok((page, bytes));
+        }
+        let mut invocation = FETCH.prepare_invoke();
+        for k in &keys {
+            invocation.key(k);
+        }
+        let values: Vec<redis::Value> = self
+            .send(&listing, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
+        let int = |v: Option<&redis::Value>| -> Option<i64> {
+            match v? {
+                redis::Value::Int(n) => Some(*n),
+                redis::Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+                redis::Value::SimpleString(s) => s.parse().ok(),
+                _ => None,
+            }
+        };
+        let (secs, micros) = (
+            int(values.get(keys.len() * 2)),
+            int(values.get(keys.len() * 2 + 1)),
+        );
+        let (Some(secs), Some(micros)) = (secs, micros) else {
+            return Err(redis_error("the listing script's reply has no server time"));
+        };
+        let now =
+            Timestamp((secs.max(0) as u64).saturating_mul(1000) + micros.max(0) as u64 / 1000);
+        page.now = now;
+        for (i, redis_key) in keys.iter().enumerate() {
+            let text = String::from_utf8_lossy(redis_key);
+            let key = Key::from_text(text.strip_prefix(&*self.inner.prefix).unwrap_or(&text));
+            let left = int(values.get(2 * i + 1)).unwrap_or(-2);
+            let corrupt = |reason: &str| Error::CorruptRecord {
+                key: key.clone(),
+                reason: reason.to_owned(),
+            };
+            let found = match values.get(2 * i) {
+                // Gone since the scan.
+                _ if left == -2 => continue,
+                // Not a key idem wrote: it could not be read or removed by this name.
+                _ if std::str::from_utf8(redis_key).is_err() => {
+                    Err(corrupt("the Redis key's name is not UTF-8"))
+                }
+                Some(redis::Value::BulkString(bytes)) => {
+                    Found::in_time(&key, bytes.clone(), left, now)
+                }
+                _ => Err(corrupt("the Redis key holds another type than a string")),
+            };
+            match found {
+                Ok(found) if found.record.is_expired(now) => {}
+                Ok(found) if filter.matches(&key, &found.record, now) => {
+                    page.records.push(Listed {
+                        key,
+                        record: found.record,
+                    });
+                    bytes.push(found.bytes);
+                }
+                Ok(_) => {}
+                Err(error) => page.unreadable.push(Unreadable { key, error }),
+            }
+        }
+        Ok((page, bytes))
+    }
+
     /// Sends a request about `key` on a handle of the connection, within the store's
     /// timeout.
     async fn send<T, F>(
@@ -668,89 +763,37 @@ impl Store for RedisStore {
         after: Option<&Cursor>,
         limit: usize,
     ) -> Result<Page, Error> {
-        let cursor = after.map_or("0", |c| c.0.as_str()).to_owned();
-        let pattern = format!("{}*", glob_escape(&self.inner.prefix));
-        let mut scan = redis::cmd("SCAN");
-        scan.arg(&cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(limit.max(1));
-        let listing = Key::from_text(format!("{pattern} (listing)"));
-        let (next, keys): (String, Vec<Vec<u8>>) = self
-            .send(
-                &listing,
-                |mut c| async move { scan.query_async(&mut c).await },
-            )
-            .await?;
-        let mut page = Page {
-            next: (next != "0").then_some(Cursor(next)),
-            now: Timestamp::now(),
-            ..Page::default()
+        Ok(self.page(filter, after, limit).await?.0)
+    }
+
+    /// Decided on the record read, and removed only if the key still holds exactly it.
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        let Some(found) = self.read(key).await? else {
+            return Ok(false);
         };
-        if keys.is_empty() {
-            return Ok(page);
+        let (record, now) = (&found.record, found.now);
+        if record.is_expired(now) || StateKind::of(record, now) == StateKind::Running {
+            return Ok(false);
         }
-        let mut invocation = FETCH.prepare_invoke();
-        for k in &keys {
-            invocation.key(k);
-        }
-        let values: Vec<redis::Value> = self
-            .send(&listing, |mut c| async move {
-                invocation.invoke_async(&mut c).await
-            })
-            .await?;
-        let int = |v: Option<&redis::Value>| -> Option<i64> {
-            match v? {
-                redis::Value::Int(n) => Some(*n),
-                redis::Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-                redis::Value::SimpleString(s) => s.parse().ok(),
-                _ => None,
+        let removed: i64 = self.script(&REMOVE, key, &[&found.bytes]).await?;
+        Ok(removed == 1)
+    }
+
+    /// Walks the listing; each record is removed only if its key still holds exactly
+    /// the bytes the listing judged.
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        let (mut removed, mut after) = (0, None);
+        loop {
+            let (page, bytes) = self.page(filter, after.as_ref(), WALK_PAGE).await?;
+            for (listed, bytes) in page.records.iter().zip(&bytes) {
+                let gone: i64 = self.script(&REMOVE, &listed.key, &[bytes]).await?;
+                removed += u64::from(gone == 1);
             }
-        };
-        let (secs, micros) = (
-            int(values.get(keys.len() * 2)),
-            int(values.get(keys.len() * 2 + 1)),
-        );
-        let (Some(secs), Some(micros)) = (secs, micros) else {
-            return Err(redis_error("the listing script's reply has no server time"));
-        };
-        let now =
-            Timestamp((secs.max(0) as u64).saturating_mul(1000) + micros.max(0) as u64 / 1000);
-        page.now = now;
-        for (i, redis_key) in keys.iter().enumerate() {
-            let text = String::from_utf8_lossy(redis_key);
-            let key = Key::from_text(text.strip_prefix(&*self.inner.prefix).unwrap_or(&text));
-            let left = int(values.get(2 * i + 1)).unwrap_or(-2);
-            let corrupt = |reason: &str| Error::CorruptRecord {
-                key: key.clone(),
-                reason: reason.to_owned(),
-            };
-            let found = match values.get(2 * i) {
-                // Gone since the scan.
-                _ if left == -2 => continue,
-                // Not a key idem wrote: it could not be read or removed by this name.
-                _ if std::str::from_utf8(redis_key).is_err() => {
-                    Err(corrupt("the Redis key's name is not UTF-8"))
-                }
-                Some(redis::Value::BulkString(bytes)) => {
-                    Found::in_time(&key, bytes.clone(), left, now)
-                }
-                _ => Err(corrupt("the Redis key holds another type than a string")),
-            };
-            match found {
-                Ok(found) if found.record.is_expired(now) => {}
-                Ok(found) if filter.matches(&key, &found.record, now) => {
-                    page.records.push(Listed {
-                        key,
-                        record: found.record,
-                    })
-                }
-                Ok(_) => {}
-                Err(error) => page.unreadable.push(Unreadable { key, error }),
+            match page.next {
+                Some(next) => after = Some(next),
+                None => return Ok(removed),
             }
         }
-        Ok(page)
     }
 
     /// Reads the record in time, decides, and writes only if the key still holds

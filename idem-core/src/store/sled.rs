@@ -14,7 +14,7 @@ use crate::key::Fingerprint;
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, decide_resolution, page_by_key, Claim, ClaimRequest, Cursor,
-    Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, Store,
+    Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind, Store, WALK_PAGE,
 };
 use crate::{blocking, Error, Key};
 
@@ -782,6 +782,41 @@ impl Store for SledStore {
         Ok(old.is_some_and(|bytes| {
             Record::decode(key.as_str(), &bytes).map_or(true, |r| !r.is_expired(now))
         }))
+    }
+
+    /// A compare-and-swap: removed only if the record read is still there.
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        let settled = |current: Option<&Record>, now| match current {
+            Some(r) if !r.is_expired(now) && StateKind::of(r, now) != StateKind::Running => {
+                Ok(None)
+            }
+            _ => Err(Fenced::LostLease),
+        };
+        Ok(self.write_if(key, true, settled).await? == Fenced::Applied)
+    }
+
+    /// Walks the listing; each record is judged again and removed in one
+    /// compare-and-swap, and the removals are flushed once, at the end.
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        let (mut removed, mut after) = (0, None);
+        loop {
+            let page = self.list(filter, after.as_ref(), WALK_PAGE).await?;
+            for listed in &page.records {
+                let (gone, _) = self.update(&listed.key, false, |current, now| match current {
+                    Some(r) if !r.is_expired(now) && filter.matches(&listed.key, r, now) => {
+                        (true, Some(None))
+                    }
+                    _ => (false, None),
+                })?;
+                removed += u64::from(gone);
+            }
+            match page.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        self.flush().await?;
+        Ok(removed)
     }
 
     /// Walks the tree and removes expired records, reading only their headers. The walk
