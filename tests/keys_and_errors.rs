@@ -1211,6 +1211,8 @@ async fn a_blank_run_id_is_no_run_and_nothing_runs() {
         "\u{feff}",
         "\0",
         " \u{3000}\u{2060} ",
+        "\u{e0020}\u{e0100}",
+        "\u{2800}",
     ] {
         let run = Run::new(id).with_store(store.clone());
         let err = run
@@ -1224,8 +1226,14 @@ async fn a_blank_run_id_is_no_run_and_nothing_runs() {
         assert!(err.to_string().contains("blank"), "{err}");
     }
     assert_eq!(ran.get(), 0, "nothing ran");
-    // A run id with text in it is a run.
-    let run = Run::new(" run-7 ").with_store(store);
+    // A run id with anything visible in it is a run: text, an emoji with its variation
+    // selector, a combining mark, a Hangul syllable of jamo.
+    let run = Run::new(" run-7 ").with_store(store.clone());
     let sent = run.scope(send_email(ran.clone(), "ada".into(), Duration::ZERO));
     assert_eq!(sent.await.unwrap(), "msg-1");
+    for id in ["\u{2764}\u{fe0f}", "\u{0301}", "\u{1100}\u{1161}"] {
+        let run = Run::new(id).with_store(store.clone());
+        let sent = run.scope(send_email(ran.clone(), "ada".into(), Duration::ZERO));
+        assert!(sent.await.is_ok(), "{id:?} is a run");
+    }
 }

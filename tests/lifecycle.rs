@@ -614,9 +614,10 @@ async fn a_wait_that_lasts_is_logged_at_info_with_the_tool_the_key_and_the_claim
 
 /// A memory store whose answers come late: a claim is applied after `claim_delay` and
 /// answered `claim_answer` after that; a release is applied only after `release_delay`,
-/// a completion after `complete_delay`, and a renewal (but a zero-lease one, which
-/// gives a claim up) after `renew_delay` (waiting) or `renew_blocks` (blocking its
-/// thread, as a store doing blocking IO in an `async fn` does).
+/// a completion after `complete_delay` (and fails until `complete_fails_until`), and a
+/// renewal (but a zero-lease one, which gives a claim up) after `renew_delay` (waiting)
+/// or `renew_blocks` (blocking its thread after its first `.await`, as a store doing
+/// blocking IO in an `async fn` does), and is answered `renew_answer` after it applied.
 #[derive(Clone, Default)]
 struct Slow {
     inner: MemoryStore,
@@ -624,8 +625,10 @@ struct Slow {
     claim_answer: Duration,
     release_delay: Duration,
     complete_delay: Duration,
+    complete_fails_until: Option<Instant>,
     renew_delay: Duration,
     renew_blocks: Duration,
+    renew_answer: Duration,
     /// Renewals panic while this is set.
     renew_panics: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -650,6 +653,12 @@ impl idem::Store for Slow {
         ttl: Duration,
     ) -> Result<idem::store::Fenced, Error> {
         tokio::time::sleep(self.complete_delay).await;
+        if self
+            .complete_fails_until
+            .is_some_and(|until| Instant::now() < until)
+        {
+            return Err(Error::store("slow", "the disk is full"));
+        }
         self.inner.complete(key, token, outcome, ttl).await
     }
     async fn release(
@@ -670,11 +679,15 @@ impl idem::Store for Slow {
         if self.renew_panics.swap(false, Ordering::SeqCst) {
             panic!("a store's renewal panicked");
         }
-        if !lease.is_zero() {
-            std::thread::sleep(self.renew_blocks);
-            tokio::time::sleep(self.renew_delay).await;
+        if lease.is_zero() {
+            return self.inner.renew(key, token, lease, ttl).await;
         }
-        self.inner.renew(key, token, lease, ttl).await
+        tokio::task::yield_now().await;
+        std::thread::sleep(self.renew_blocks);
+        tokio::time::sleep(self.renew_delay).await;
+        let renewed = self.inner.renew(key, token, lease, ttl).await;
+        tokio::time::sleep(self.renew_answer).await;
+        renewed
     }
     async fn get(&self, key: &idem::Key) -> Result<Option<idem::store::Record>, Error> {
         self.inner.get(key).await
@@ -727,10 +740,11 @@ async fn a_completion_slower_than_the_lease_keeps_the_claim() {
     assert_eq!(provider.delivered(), 1, "the body ran once");
 }
 
-/// A store whose renewals block their thread for ten seconds holds up its own claims'
-/// renewals, not those of every other claim in the process: a body on another store,
-/// three times its one-second lease, keeps its claim throughout (a renewal would have
-/// to be two thirds of a second late to lose it).
+/// A store whose renewals block their thread for ten seconds (after their first
+/// `.await`), for forty claims at once, holds up its own claims' renewals, not those of
+/// every other claim in the process: a body on another store, three times its
+/// one-second lease, keeps its claim throughout (a renewal would have to be two thirds
+/// of a second late to lose it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_that_blocks_in_its_renewals_holds_up_no_other_claim() {
     let blocking = Run::new("blocking-renewals").with_store(Slow {
@@ -738,10 +752,13 @@ async fn a_store_that_blocks_in_its_renewals_holds_up_no_other_claim() {
         ..Slow::default()
     });
     let (run, provider) = (run(), Provider::default());
-    let stuck = tokio::spawn({
-        let (blocking, provider) = (blocking.clone(), provider.clone());
-        async move { blocking.scope(slow_record_long(provider, 1)).await }
-    });
+    // More of its claims than it may block threads with at once.
+    let stuck: Vec<_> = (0..40)
+        .map(|n| {
+            let (blocking, provider) = (blocking.clone(), provider.clone());
+            tokio::spawn(async move { blocking.scope(slow_record_long(provider, 100 + n)).await })
+        })
+        .collect();
     tokio::time::sleep(Duration::from_millis(100)).await;
     let duplicate = async {
         tokio::time::sleep(Duration::from_millis(2000)).await;
@@ -754,8 +771,10 @@ async fn a_store_that_blocks_in_its_renewals_holds_up_no_other_claim() {
         matches!(duplicate, Err(Error::InProgress { .. })),
         "the claim was lost: {duplicate:?}"
     );
-    assert_eq!(owner.unwrap(), "msg-2", "no LostLease");
-    stuck.abort();
+    assert!(owner.is_ok(), "no LostLease: {owner:?}");
+    for stuck in stuck {
+        stuck.abort();
+    }
 }
 
 /// A report three times its one-second lease.
@@ -806,6 +825,48 @@ async fn a_renewal_that_lands_after_its_claim_was_given_up_does_not_revive_it() 
         "{retry:?}"
     );
     assert_eq!(provider.delivered(), 1);
+}
+
+/// A report on a store that takes its outcome only after a few seconds.
+#[idempotent(name = "recorded_late", lease = "3s", skip = [provider])]
+async fn recorded_late(provider: Provider, id: u32) -> Result<String, Error> {
+    Ok(provider.deliver())
+}
+
+/// A runtime shut down while an outcome the store refused is being recorded again:
+/// the recording starts over on idem's own runtime, with renewals of its own, and a
+/// renewal of the old one that lands afterwards (answered late) must not give the
+/// claim up, since the call has not settled it: the waiting retry gets the first
+/// value, and the body runs once.
+#[test]
+fn a_late_record_moved_off_a_runtime_that_shut_down_keeps_its_claim() {
+    let started = Instant::now();
+    let run = Run::new("late-record-rescued").with_store(Slow {
+        complete_fails_until: Some(started + Duration::from_secs(3)),
+        renew_answer: Duration::from_millis(2500),
+        ..Slow::default()
+    });
+    let provider = Provider::default();
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let value = first.block_on(run.scope(recorded_late(provider.clone(), 1)));
+    assert_eq!(value.unwrap(), "msg-1", "the body's own value");
+    // Its first renewal goes out at 1 s, and is answered at 3.5 s.
+    std::thread::sleep(Duration::from_millis(1500));
+    drop(first);
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let retry = second.block_on(async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        run.scope(recorded_late(provider.clone(), 1)).await
+    });
+    assert_eq!(retry.unwrap(), "msg-1", "the retry gets the first value");
+    assert_eq!(provider.delivered(), 1, "the body ran once");
 }
 
 #[idempotent(lease = "60s", skip = [provider])]

@@ -348,16 +348,18 @@ async fn evict_run(
     // Unreadable values match no run.
     let total = counts.total() - counts.unreadable;
     let n = if force { total } else { total - running };
-    let left = match (force, running) {
+    let running_left = match (force, running) {
         (false, 1..) => format!(" ({running} running, left alone: --force evicts them too)"),
         _ => String::new(),
     };
     if n == 0 {
-        return emit(&out.done(&format!("nothing to evict{left}"), 0));
+        return emit(&out.done(&format!("nothing to evict{running_left}"), 0));
     }
     confirm(
         yes,
-        &format!("Evict the {n} records of run {run}{left}? Its calls run again when retried."),
+        &format!(
+            "Evict the {n} records of run {run}{running_left}? Its calls run again when retried."
+        ),
     )?;
     if force {
         let removed = store.delete_matching(&filter).await?;
@@ -377,6 +379,13 @@ async fn evict_run(
         };
         removed += store.delete_matching(&filter).await?;
     }
+    // What is left now: running calls' claims (some maybe made while this ran).
+    let left = store.count(&filter).await?;
+    let left = left.total() - left.unreadable;
+    let left = match left {
+        0 => String::new(),
+        n => format!(" ({n} left: running calls' claims; --force evicts them too)"),
+    };
     emit(&out.done(
         &format!("evicted {removed} records of run {run}{left}"),
         removed,

@@ -355,7 +355,10 @@ where
         serde_json::from_str(&ok(args, &["evict", "--json", "--run", r1, "--yes"])).unwrap();
     assert_eq!(evicted["count"], 5, "{evicted}");
     assert!(
-        evicted["done"].as_str().unwrap().contains("2 running"),
+        evicted["done"]
+            .as_str()
+            .unwrap()
+            .contains("2 left: running"),
         "{evicted}"
     );
     let left = json_lines(&ok(args, &["ls", "--json", "--run", r1]));

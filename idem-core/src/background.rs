@@ -8,8 +8,8 @@
 //! is done even when no task will ever run again. A network store's operation goes on
 //! on the caller's runtime, the one its connection lives on, when it can.
 //!
-//! Where it cannot, the operation goes to idem's own runtime, on one thread
-//! (`idem-background`) that lives as long as the process: without a runtime, from a
+//! Where it cannot, the operation goes to idem's own runtime (two worker threads,
+//! `idem-background`, that live as long as the process): without a runtime, from a
 //! sync tool's call (whose thread may be the one its runtime runs on, blocked), and
 //! from a runtime that is shutting down (`drop(runtime)`, `shutdown_timeout`, the end
 //! of `#[tokio::main]` while a call was under way). A runtime shutting down takes no
@@ -19,11 +19,11 @@
 //! store's connections that lived on that runtime are gone with it; its pool opens
 //! new ones.)
 //!
-//! [`spawn`] runs an operation off every thread that matters to anyone else: its first
-//! poll on a thread of idem's own runtime's blocking pool, where a store that blocks
-//! (sled behind its IO, a custom store that does blocking IO in an `async fn`) holds up
-//! only that thread, and the rest as a task of idem's own runtime. The heartbeat's
-//! renewals run so, never on the timer thread and never behind each other.
+//! [`run_blocking`] runs an operation off every thread that matters to anyone else: on
+//! a thread of idem's own runtime's blocking pool, from start to end, where a store that
+//! blocks (sled behind its IO, a custom store that does blocking IO in an `async fn`)
+//! holds up only that thread. The heartbeat's renewals run so, never on the timer
+//! thread and never behind each other.
 
 use std::future::Future;
 use std::panic::{self, AssertUnwindSafe};
@@ -67,15 +67,25 @@ pub(crate) fn detach(
     }
 }
 
-/// Runs `operation` off the caller's thread (see the module docs): its first poll on a
-/// blocking thread of idem's own runtime, the rest as a task there.
-pub(crate) fn spawn(operation: impl Future<Output = ()> + Send + 'static) {
+/// Runs `operation` off the caller's thread (see the module docs): on a blocking thread
+/// of idem's own runtime, to its end. `false` if no thread could take it (no runtime of
+/// idem's own, or the OS starts no thread now): the caller tries again later.
+pub(crate) fn run_blocking(operation: impl Future<Output = ()> + Send + 'static) -> bool {
     let Some(own) = own_runtime() else {
-        // No thread of its own: in place, as a last resort.
-        return detach(operation, None, None);
+        return false;
     };
-    let operation: Op = Box::pin(operation);
-    drop(own.spawn_blocking(move || on_own_runtime(operation)));
+    let mut operation = Detached {
+        operation: Some(Box::pin(operation)),
+        rescue: None,
+    };
+    let handle = own.clone();
+    // Tokio panics when the pool has no idle thread and the OS starts none.
+    let spawned = panic::catch_unwind(AssertUnwindSafe(|| {
+        own.spawn_blocking(move || {
+            handle.block_on(std::future::poll_fn(|cx| operation.poll_once(cx)))
+        })
+    }));
+    spawned.is_ok()
 }
 
 /// Runs `operation` on idem's own runtime: its first poll here, inside that runtime's
@@ -108,24 +118,22 @@ fn takes_tasks(runtime: &tokio::runtime::Handle) -> bool {
     !matches!(polled, Poll::Ready(Err(error)) if error.is_cancelled())
 }
 
-/// A runtime of idem's own, on one thread (`idem-background`), started on first use; see
-/// the module docs. One thread for every such operation, however many. `None` if the
-/// OS would not start it.
+/// A runtime of idem's own, on two worker threads (`idem-background`), started on first
+/// use and never shut down; see the module docs. Two, so that one a store's code blocks
+/// leaves the other to drive the connections and timers of every other operation. `None`
+/// if the OS would not start it.
 fn own_runtime() -> Option<&'static tokio::runtime::Handle> {
-    static OWN: OnceLock<Option<tokio::runtime::Handle>> = OnceLock::new();
+    static OWN: OnceLock<Option<tokio::runtime::Runtime>> = OnceLock::new();
     OWN.get_or_init(|| {
-        let runtime = tokio::runtime::Builder::new_current_thread()
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("idem-background")
             .enable_all()
             .build()
-            .ok()?;
-        let handle = runtime.handle().clone();
-        std::thread::Builder::new()
-            .name("idem-background".into())
-            .spawn(move || runtime.block_on(std::future::pending::<()>()))
-            .ok()?;
-        Some(handle)
+            .ok()
     })
     .as_ref()
+    .map(tokio::runtime::Runtime::handle)
 }
 
 /// An operation run in the background: its panic is caught and logged, not left to the

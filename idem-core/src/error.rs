@@ -343,9 +343,10 @@ pub enum LostTo {
     /// Another call: it holds the key now, or its outcome is stored. A retry receives
     /// that outcome (or waits for it).
     AnotherCall,
-    /// Nothing: the record was removed while the body ran (`idem evict --force`,
-    /// `Store::delete`). Nothing is stored under the key, so a retry runs the body again,
-    /// at-most-once or not.
+    /// Nothing: the record is gone. It was removed while the body ran (`idem evict
+    /// --force`, `Store::delete`), or it expired (a sync body past its `max_run` is no
+    /// longer renewed, and its record lives one lease and its TTL). Nothing is stored
+    /// under the key, so a retry runs the body again, at-most-once or not.
     Removal,
     /// The store could not be read to tell which.
     Unknown,
@@ -361,7 +362,7 @@ impl LostTo {
             }
             LostTo::Removal => {
                 "removed (evicted by an operator with `idem evict --force`, or deleted with \
-                 `Store::delete`)"
+                 `Store::delete`; or, with its renewals stopped at `max_run`, expired)"
             }
             LostTo::Unknown => "taken over by another call or removed",
         }

@@ -6,10 +6,12 @@
 //! The timer thread ([`crate::timer`]) keeps each claim's schedule ([`Beat`]), whatever
 //! the body's task is doing: an async body that blocks its thread, or waits behind
 //! another task on a busy current-thread runtime, keeps its claim as a sync body does.
-//! A renewal is sent when due, counted from when the last one was sent, and runs on
-//! idem's own runtime ([`crate::background::spawn`]), never on the timer thread: a
-//! store that blocks (sled's writes wait for its IO under a flood of writes) delays
-//! its own renewals, not every wait and renewal in the process.
+//! A renewal is sent when due, counted from when the last one was sent, and runs on a
+//! blocking thread of idem's own runtime ([`crate::background::run_blocking`]), never
+//! on the timer thread: a store that blocks (sled's writes wait for its IO under a
+//! flood of writes, a custom store doing blocking IO) delays its own renewals, not
+//! every wait and renewal in the process. At most [`RENEWALS_PER_STORE`] renewals of one
+//! store run at once, so one that blocks for long holds a bounded number of threads.
 //!
 //! The heartbeat also tells an async body when to stop ([`drive`]): at `max_run`, or
 //! when a renewal found its claim taken over. Every body registers with the timer
@@ -20,11 +22,11 @@
 //! stopped from outside: at `max_run` its renewals stop.
 //!
 //! One renewal of a claim is in flight at a time: a store slower than a third of the
-//! lease gets its next renewal when it answered, not a pile of them. A claim given up
-//! without an outcome is first let go of here ([`Beat::stop`]), which waits for a
-//! renewal still in flight: one that landed after the claim was given up as abandoned
-//! would make it live again for a lease. One slower than that wait (a lease) that
-//! finds the claim let go of when it lands gives it up again at once.
+//! lease gets its next renewal when it answered, not a pile of them. A claim its call
+//! gives up without an outcome is first let go of here ([`Beat::before_settling`]),
+//! which waits for a renewal still in flight: one that landed after the claim was given
+//! up as abandoned would make it live again for a lease. One slower than that wait (a
+//! lease) that lands after the call settled its claim gives it up again at once.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -121,8 +123,11 @@ struct Entry {
     /// The body has ended: `max_run` no longer applies, and a renewal that finds the
     /// claim gone (its outcome recorded meanwhile) is no news.
     body_ended: AtomicBool,
-    /// Renewals sent and not yet answered (see [`Beat::stop`]).
+    /// Renewals sent and not yet answered (see [`Beat::before_settling`]).
     in_flight: AtomicUsize,
+    /// The call is settling the claim (releasing it, or giving it up as abandoned): a
+    /// renewal that lands from now on gives it up again.
+    settling: AtomicBool,
     /// Fired when a renewal in flight is answered.
     answered: event_listener::Event,
     /// The async body's task, woken when it must stop.
@@ -150,6 +155,7 @@ impl Beat {
             state: AtomicU8::new(RUNNING),
             body_ended: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
+            settling: AtomicBool::new(false),
             answered: event_listener::Event::new(),
             waker: Mutex::new(None),
         });
@@ -177,7 +183,7 @@ impl Beat {
     }
 
     /// Stops renewing the claim: no renewal is sent after this. One sent before may
-    /// still be in flight: [`Quiet::wait`] waits for it.
+    /// still be in flight: [`Quiet::before_settling`] waits for it.
     pub(crate) fn end(mut self) -> Quiet {
         let entry = self.entry.take();
         if let Some(entry) = &entry {
@@ -186,10 +192,10 @@ impl Beat {
         Quiet(entry)
     }
 
-    /// Stops renewing the claim, and returns once no renewal is in flight (see
-    /// [`Quiet::wait`]).
-    pub(crate) async fn stop(self) {
-        self.end().wait().await
+    /// Stops renewing the claim, which its call is about to settle (see
+    /// [`Quiet::before_settling`]).
+    pub(crate) async fn before_settling(self) {
+        self.end().before_settling().await
     }
 
     /// Where the claim stands; `waker` is woken when that changes.
@@ -219,9 +225,10 @@ pub(crate) struct Quiet(Option<Arc<Entry>>);
 
 impl Quiet {
     /// Returns once no renewal of the claim is in flight, so that none lands after the
-    /// claim is settled; or once a lease has passed waiting for one (a store that never
-    /// answers).
-    pub(crate) async fn wait(self) {
+    /// call settles its claim; or once a lease has passed waiting for one (a store that
+    /// never answers): one that lands later gives the claim up again. Call it right
+    /// before settling the claim.
+    pub(crate) async fn before_settling(self) {
         let Some(entry) = self.0 else {
             return;
         };
@@ -231,13 +238,14 @@ impl Quiet {
         loop {
             let answered = entry.answered.listen();
             if entry.in_flight.load(AtomicOrdering::SeqCst) == 0 {
-                return;
+                break;
             }
-            let Some(until) = until.filter(|until| *until > Instant::now()) else {
-                return;
-            };
-            either(answered, timer::sleep_until(until)).await;
+            match until.filter(|until| *until > Instant::now()) {
+                Some(until) => either(answered, timer::sleep_until(until)).await,
+                None => break,
+            }
         }
+        entry.settling.store(true, AtomicOrdering::SeqCst);
     }
 }
 
@@ -359,42 +367,97 @@ impl Periodic for Entry {
             return Some(now + retry_after(self.every));
         }
         let flight = InFlight(Arc::clone(&self));
-        // Counted before the state is read again, and `Beat::stop` reads the count after
-        // it ends the state: either this tick sees the end and sends nothing, or the stop
-        // sees this renewal in flight and waits for it.
+        // Counted before the state is read again, and `Beat::end` reads the count after
+        // it ends the state: either this tick sees the end and sends nothing, or the
+        // settling sees this renewal in flight and waits for it.
         if self.state.load(AtomicOrdering::SeqCst) != RUNNING {
             return None;
         }
+        let Some(slot) = StoreSlot::take(&self.store) else {
+            // This store's renewals are all out (it blocks): this one waits its turn.
+            return Some(now + retry_after(self.every));
+        };
         let next = self.next(now);
-        background::spawn(async move {
-            let renewing = self
+        let entry = Arc::clone(&self);
+        let renewal = async move {
+            let renewing = entry
                 .store
-                .renew(&self.key, self.token, self.lease, self.ttl);
-            let renewed = store_op(self.store.name(), "renew", renewing).await;
+                .renew(&entry.key, entry.token, entry.lease, entry.ttl);
+            let renewed = store_op(entry.store.name(), "renew", renewing).await;
+            // Landed after the call began to settle its claim: it may have revived it.
             let revived = matches!(renewed, Ok(Fenced::Applied))
-                && self.state.load(AtomicOrdering::SeqCst) == ENDED;
-            self.renewed(renewed);
+                && entry.settling.load(AtomicOrdering::SeqCst);
+            entry.renewed(renewed);
             if revived {
-                self.give_up_again().await;
+                entry.give_up_again().await;
             }
-            drop(flight);
-        });
+            drop((flight, slot));
+        };
+        if !background::run_blocking(renewal) {
+            // No thread for it now (a process at its thread limit): tried again soon.
+            self.in_span(|| {
+                tracing::warn!(tool = %self.tool, key = %self.key, "idem: no thread to renew the claim on; trying again")
+            });
+            return Some(now + retry_after(self.every));
+        }
         Some(next)
     }
 }
 
+/// How many renewals of one store run at once, at most: a store that blocks in its
+/// renewals (a custom store doing blocking IO) holds this many threads of idem's
+/// blocking pool, not all of them.
+pub(crate) const RENEWALS_PER_STORE: usize = 32;
+
+/// A renewal of a store under way, counted against [`RENEWALS_PER_STORE`].
+struct StoreSlot(usize);
+
+/// Renewals under way, by store (the address of its `Arc`).
+static STORE_SLOTS: Mutex<Option<std::collections::HashMap<usize, usize>>> = Mutex::new(None);
+
+impl StoreSlot {
+    /// A slot for a renewal of `store`, if it has one free.
+    fn take(store: &Arc<dyn Store>) -> Option<StoreSlot> {
+        let id = Arc::as_ptr(store).cast::<()>() as usize;
+        let mut slots = crate::sync::lock(&STORE_SLOTS);
+        let taken = slots
+            .get_or_insert_with(Default::default)
+            .entry(id)
+            .or_insert(0);
+        if *taken >= RENEWALS_PER_STORE {
+            return None;
+        }
+        *taken += 1;
+        Some(StoreSlot(id))
+    }
+}
+
+impl Drop for StoreSlot {
+    fn drop(&mut self) {
+        let mut slots = crate::sync::lock(&STORE_SLOTS);
+        if let Some(slots) = slots.as_mut() {
+            if let Some(taken) = slots.get_mut(&self.0) {
+                *taken -= 1;
+                if *taken == 0 {
+                    slots.remove(&self.0);
+                }
+            }
+        }
+    }
+}
+
 impl Entry {
-    /// A renewal landed after the call let go of its claim (a store slower than the
-    /// wait in [`Quiet::wait`]): if the call gave the claim up as abandoned, this renewal
-    /// made it live again for a lease, so it is given up again (a zero lease, fenced by
-    /// the token: on a claim the call settled otherwise, or not yet, it changes nothing
-    /// the settling does not change too).
+    /// A renewal landed after the call began to settle its claim (a store slower than
+    /// the wait in [`Quiet::before_settling`]): if the call gave the claim up as
+    /// abandoned, this renewal made it live again for a lease, so it is given up again
+    /// (a zero lease, fenced by the token: on a claim the call released, or has yet to
+    /// settle, it changes nothing the settling does not change too).
     async fn give_up_again(&self) {
         let giving_up = self
             .store
             .renew(&self.key, self.token, Duration::ZERO, self.ttl);
         let given_up = store_op(self.store.name(), "renew", giving_up).await;
-        tracing::debug!(tool = %self.tool, key = %self.key, ?given_up, "idem: a renewal landed after its call let go of the claim; the claim is given up again");
+        tracing::debug!(tool = %self.tool, key = %self.key, ?given_up, "idem: a renewal landed after its call settled the claim; the claim is given up again");
         crate::wait::notify(&self.key);
     }
 }

@@ -1367,7 +1367,7 @@ impl<'a> Settle<'a> {
         let (beat, call) = (self.take_beat(), self.call);
         let (store, token) = (&**self.store, self.token);
         Box::pin(async move {
-            beat.stop().await;
+            beat.before_settling().await;
             let options = &call.options;
             settle(store, &call.key, &call.tool, token, options, how, why).await
         })
@@ -1462,7 +1462,7 @@ impl Settlement {
 
     /// Settles the claim, once no renewal of it is in flight (`quiet`).
     async fn after(self, quiet: heartbeat::Quiet, why: &'static str) {
-        quiet.wait().await;
+        quiet.before_settling().await;
         self.now(why).await
     }
 
@@ -1760,7 +1760,7 @@ impl Late {
                 }
             }
         }
-        beat.stop().await;
+        beat.before_settling().await;
         let why = "ran, but the store never took its outcome";
         let how = Settling::ByPolicy;
         settle(&*store, &key, &tool, token, &options, how, why).await;

@@ -160,20 +160,23 @@ pub async fn abandoned(call: &Result<Call, Error>) -> Option<Abandoned> {
 /// How often a claim whose lease is still running is read again.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
+/// What a reconcile hook answered in time: its answer, or `None` when it was late.
+pub struct Asked<T>(Option<Reconciled<T>>);
+
 /// Awaits a reconcile hook's `answer` for at most the tool's `reconcile_timeout`; past
-/// it, the hook is dropped and the answer is [`Reconciled::Unknown`], with a warning. A
-/// hook that blocks its thread cannot be stopped: its answer, when it comes after the
-/// timeout, is [`Reconciled::Unknown`] all the same.
+/// it, the hook is dropped and there is no answer, which counts as
+/// [`Reconciled::Unknown`], with a warning. A hook that blocks its thread cannot be
+/// stopped: its answer, when it comes after the timeout, counts as none all the same.
 pub async fn ask<T>(
     call: &Result<Call, Error>,
     answer: impl Future<Output = Reconciled<T>>,
-) -> Reconciled<T> {
+) -> Asked<T> {
     let Ok(call) = call else {
-        return Reconciled::Unknown;
+        return Asked(None);
     };
     let timeout = call.options().reconcile_timeout;
     let Some(deadline) = Instant::now().checked_add(timeout) else {
-        return answer.await;
+        return Asked(Some(answer.await));
     };
     let mut answer = std::pin::pin!(answer);
     let mut alarm = std::pin::pin!(crate::timer::sleep_until(deadline));
@@ -186,12 +189,13 @@ pub async fn ask<T>(
         alarm.as_mut().poll(cx).map(|()| None)
     })
     .await;
-    answered.unwrap_or_else(|| {
-        in_span(call.span(), || {
-            tracing::warn!(tool = %call.tool(), key = %call.key(), timeout = %Human(timeout), "idem: the reconcile hook did not answer within its reconcile_timeout; the outcome stays unknown")
-        });
-        Reconciled::Unknown
-    })
+    if answered.is_none() {
+        in_span(
+            call.span(),
+            || tracing::warn!(tool = %call.tool(), key = %call.key(), timeout = %Human(timeout), "idem: the reconcile hook did not answer within its reconcile_timeout; the outcome stays unknown"),
+        );
+    }
+    Asked(answered)
 }
 
 /// Settles `abandoned` by the hook's `answer` (see the module docs). Failures are
@@ -204,10 +208,14 @@ pub async fn ask<T>(
 pub async fn settle<R: ToolOutput>(
     call: &Result<Call, Error>,
     abandoned: Abandoned,
-    answer: Reconciled<R::Ok>,
+    answer: Asked<R::Ok>,
     eq: Equality<R::Ok>,
 ) -> bool {
     let Ok(call) = call else { return true };
+    // A late hook was said so by `ask`.
+    let Asked(Some(answer)) = answer else {
+        return true;
+    };
     let Abandoned { store, key, token } = abandoned;
     let tool = call.tool();
     let log = |f: &dyn Fn()| in_span(call.span(), f);

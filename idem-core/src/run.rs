@@ -14,18 +14,25 @@ tokio::task_local! {
 }
 
 /// Whether a run id is blank: empty, or nothing but whitespace, control characters and
-/// the invisible format characters a copy and paste brings along (zero-width spaces and
-/// joiners, the byte order mark, direction marks). Such an id is no run
-/// ([`Error::NoRun`]): every caller that sent one would share it.
+/// characters that show nothing (Unicode's default-ignorable code points, such as
+/// zero-width spaces and joiners, the byte order mark, direction marks, variation
+/// selectors and tag characters; fillers and the blank braille pattern). Such an id is
+/// no run ([`Error::NoRun`]): every caller that sent one would share it.
 pub(crate) fn is_blank(id: &str) -> bool {
-    id.chars().all(|c| {
-        c.is_whitespace()
-            || c.is_control()
-            || matches!(c, '\u{00ad}' | '\u{034f}' | '\u{061c}' | '\u{115f}' | '\u{1160}'
-                | '\u{17b4}' | '\u{17b5}' | '\u{180b}'..='\u{180f}' | '\u{200b}'..='\u{200f}'
-                | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{206f}' | '\u{3164}'
-                | '\u{fe00}'..='\u{fe0f}' | '\u{feff}' | '\u{ffa0}' | '\u{fff0}'..='\u{fff8}')
-    })
+    id.chars()
+        .all(|c| c.is_whitespace() || c.is_control() || shows_nothing(c))
+}
+
+/// Whether `c` shows nothing: a default-ignorable code point (Unicode's
+/// `Default_Ignorable_Code_Point`, with the unassigned ones in its ranges), a filler, or
+/// the blank braille pattern.
+fn shows_nothing(c: char) -> bool {
+    matches!(c, '\u{00ad}' | '\u{034f}' | '\u{061c}' | '\u{115f}' | '\u{1160}'
+        | '\u{17b4}' | '\u{17b5}' | '\u{180b}'..='\u{180f}' | '\u{200b}'..='\u{200f}'
+        | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{206f}' | '\u{2800}' | '\u{3164}'
+        | '\u{fe00}'..='\u{fe0f}' | '\u{feff}' | '\u{ffa0}' | '\u{fff0}'..='\u{fffb}'
+        | '\u{13430}'..='\u{1343f}' | '\u{16fe4}' | '\u{1bca0}'..='\u{1bca3}'
+        | '\u{1d173}'..='\u{1d17a}' | '\u{e0000}'..='\u{e0fff}')
 }
 
 /// One agent run: the "who" of every idempotency key, and the store that keeps them.

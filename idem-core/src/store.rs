@@ -248,7 +248,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// The built-in stores decide and remove atomically. The default reads the record
     /// and then deletes it, so a claim made between the two (a record that expired and
-    /// was claimed again) is removed all the same.
+    /// was claimed again) is removed all the same. A store that wraps another should
+    /// forward this (and [`Store::delete_matching`]) to it, or it gets the default.
     async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
         match self.get(key).await? {
             Some(record) if StateKind::of(&record, Timestamp::now()) == StateKind::Running => {
