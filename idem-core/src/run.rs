@@ -19,8 +19,9 @@ tokio::task_local! {
 /// selectors and tag characters; fillers and the blank braille pattern). Such an id is
 /// no run ([`Error::NoRun`]): every caller that sent one would share it.
 pub(crate) fn is_blank(id: &str) -> bool {
+    // A printable ASCII character (most ids start with one) settles it at once.
     id.chars()
-        .all(|c| c.is_whitespace() || c.is_control() || shows_nothing(c))
+        .all(|c| !c.is_ascii_graphic() && (c.is_whitespace() || c.is_control() || shows_nothing(c)))
 }
 
 /// Whether `c` shows nothing: a default-ignorable code point (Unicode's
