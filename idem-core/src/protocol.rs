@@ -198,11 +198,11 @@ pub struct ErrorCodec<E> {
     /// Deserializes a stored error.
     pub decode: fn(&[u8]) -> Result<E, serde_json::Error>,
     /// Checks, before an error is stored, that its bytes read back as the same error
-    /// (see [`crate::read_back`]).
+    /// (see `read_back.rs`).
     pub reads_back: ReadsBack<E>,
 }
 
-/// Whether bytes read back as a value (see [`crate::read_back`]).
+/// Whether bytes read back as a value (see `read_back.rs`).
 pub type ReadsBack<E> = fn(&[u8], &E, Equality<E>) -> Result<(), serde_json::Error>;
 
 /// The default error policy: an `Err` releases the claim, so a retry runs again.
@@ -232,7 +232,7 @@ fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_json::Error> 
 }
 
 /// How a tool's outcomes are compared with the values their JSON reads back as, before
-/// they are stored (see [`crate::read_back`]): its result (`T`), and its error (`E`)
+/// they are stored (see `read_back.rs`): its result (`T`), and its error (`E`)
 /// where errors are cached.
 pub struct Compare<T, E> {
     /// For the result.
@@ -248,7 +248,7 @@ impl<T, E> Compare<T, E> {
         err: Equality::JSON,
     };
 
-    /// What the attribute's [`Probe`](crate::read_back::Probe) found.
+    /// What the attribute's [`Probe`](crate::__private::Probe) found.
     pub fn new(ok: impl Into<Equality<T>>, err: impl Into<Equality<E>>) -> Self {
         Compare {
             ok: ok.into(),
