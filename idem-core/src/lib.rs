@@ -90,5 +90,5 @@ pub mod __private {
     pub use crate::read_back::{
         Equality, ErrByJson, ErrByPartialEq, JsonOnly, OkByJson, OkByPartialEq, Probe,
     };
-    pub use crate::reconcile::{abandoned, ask, settle, Abandoned, Asked};
+    pub use crate::reconcile::{abandoned, ask, settle, Abandoned};
 }

@@ -10,8 +10,8 @@
 //! let call = Call::from_args(..);
 //! for _ in 0..20 {
 //!     let Some(abandoned) = abandoned(&call).await else { break };  // reads the key
-//!     let answer = ask(&call, check(abandoned.key(), &input)).await; // the hook, bounded
-//!     if settle(&call, abandoned, answer, eq).await { break }       // one fenced write
+//!     let (answer, late) = ask(&call, check(abandoned.key(), &input)).await; // bounded
+//!     if settle(&call, abandoned, answer, late, eq).await { break } // one fenced write
 //! }
 //! execute(call, async move { body }).await                          // as without a hook
 //! ```
@@ -160,23 +160,21 @@ pub async fn abandoned(call: &Result<Call, Error>) -> Option<Abandoned> {
 /// How often a claim whose lease is still running is read again.
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
-/// What a reconcile hook answered in time: its answer, or `None` when it was late.
-pub struct Asked<T>(Option<Reconciled<T>>);
-
 /// Awaits a reconcile hook's `answer` for at most the tool's `reconcile_timeout`; past
-/// it, the hook is dropped and there is no answer, which counts as
-/// [`Reconciled::Unknown`], with a warning. A hook that blocks its thread cannot be
-/// stopped: its answer, when it comes after the timeout, counts as none all the same.
+/// it, the hook is dropped and the answer is [`Reconciled::Unknown`], with a warning.
+/// A hook that blocks its thread cannot be stopped: its answer, when it comes after the
+/// timeout, is [`Reconciled::Unknown`] all the same. Returns the answer, and whether
+/// the hook was late (so [`settle`] does not say again that the outcome stays unknown).
 pub async fn ask<T>(
     call: &Result<Call, Error>,
     answer: impl Future<Output = Reconciled<T>>,
-) -> Asked<T> {
+) -> (Reconciled<T>, bool) {
     let Ok(call) = call else {
-        return Asked(None);
+        return (Reconciled::Unknown, false);
     };
     let timeout = call.options().reconcile_timeout;
     let Some(deadline) = Instant::now().checked_add(timeout) else {
-        return Asked(Some(answer.await));
+        return (answer.await, false);
     };
     let mut answer = std::pin::pin!(answer);
     let mut alarm = std::pin::pin!(crate::timer::sleep_until(deadline));
@@ -189,13 +187,14 @@ pub async fn ask<T>(
         alarm.as_mut().poll(cx).map(|()| None)
     })
     .await;
-    if answered.is_none() {
+    let Some(answer) = answered else {
         in_span(
             call.span(),
             || tracing::warn!(tool = %call.tool(), key = %call.key(), timeout = %Human(timeout), "idem: the reconcile hook did not answer within its reconcile_timeout; the outcome stays unknown"),
         );
-    }
-    Asked(answered)
+        return (Reconciled::Unknown, true);
+    };
+    (answer, false)
 }
 
 /// Settles `abandoned` by the hook's `answer` (see the module docs). Failures are
@@ -208,14 +207,15 @@ pub async fn ask<T>(
 pub async fn settle<R: ToolOutput>(
     call: &Result<Call, Error>,
     abandoned: Abandoned,
-    answer: Asked<R::Ok>,
+    answer: Reconciled<R::Ok>,
+    late: bool,
     eq: Equality<R::Ok>,
 ) -> bool {
     let Ok(call) = call else { return true };
     // A late hook was said so by `ask`.
-    let Asked(Some(answer)) = answer else {
+    if late {
         return true;
-    };
+    }
     let Abandoned { store, key, token } = abandoned;
     let tool = call.tool();
     let log = |f: &dyn Fn()| in_span(call.span(), f);
