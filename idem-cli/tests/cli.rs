@@ -558,7 +558,13 @@ fn lists_all(args: &[String], store: &str) {
 async fn a_listing_of_a_hundred_thousand_records_on_sled() {
     let dir = tempfile::tempdir().unwrap();
     {
-        let db = sled::open(dir.path()).unwrap();
+        // No flusher thread: the directory's lock goes with the last handle, before the
+        // command (another process) opens it.
+        let db = sled::Config::new()
+            .path(dir.path())
+            .flush_every_ms(None)
+            .open()
+            .unwrap();
         let tree = db.open_tree(SledStore::TREE).unwrap();
         let now = Timestamp::now().as_millis();
         for i in 0..MANY {
@@ -667,7 +673,13 @@ async fn foreign_values_odd_text_and_closed_outputs() {
         fill(&store, odd_run, "r2").await;
     }
     {
-        let db = sled::open(dir.path()).unwrap();
+        // No flusher thread: the directory's lock goes with the last handle, before the
+        // command (another process) opens it.
+        let db = sled::Config::new()
+            .path(dir.path())
+            .flush_every_ms(None)
+            .open()
+            .unwrap();
         let tree = db.open_tree(SledStore::TREE).unwrap();
         tree.insert("foreign.key", &b"not a record"[..]).unwrap();
         db.flush().unwrap();
