@@ -59,8 +59,7 @@ use serde::Serialize;
 use tracing::Instrument;
 
 use crate::background;
-use crate::error::LostTo;
-use crate::error::{Human, Logged};
+use crate::error::{Human, Logged, LostTo};
 use crate::heartbeat::{self, Beat, Lease, Ran};
 pub use crate::key::KeyInput;
 use crate::key::{Fingerprint, KeyParts};
