@@ -7,6 +7,8 @@
 
 #![cfg(all(feature = "redis", feature = "sled"))]
 
+mod common;
+
 use std::time::Duration;
 
 use idem_core::store::{Claim, ClaimRequest, Filter, Fingerprint, Origin, Outcome, Token};
@@ -66,7 +68,7 @@ async fn sled_lists_past_values_it_cannot_read() {
         tree.insert("tool.garbage", &b"not a record"[..]).unwrap();
         db.flush().unwrap();
     }
-    let store = open_after_raw(dir.path());
+    let store = common::open_after_raw(dir.path());
     one_record(&store, "tool.a").await;
     one_record(&store, "tool.z").await;
     for limit in [1, 2, 1000] {
@@ -138,24 +140,4 @@ async fn redis_lists_past_values_it_cannot_read() {
         .query_async(&mut conn)
         .await
         .unwrap();
-}
-
-/// The store in `path`, once the raw `sled::Db` the test wrote with has let go of the
-/// directory: sled's background thread drops its lock a moment after the last handle
-/// (later on a busy machine), and `SledStore::open` waits only for stores it closed
-/// itself, taking any other holder for another process.
-fn open_after_raw(path: &std::path::Path) -> SledStore {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        match SledStore::open(path) {
-            Ok(store) => return store,
-            Err(e)
-                if e.to_string().contains("held by another process")
-                    && std::time::Instant::now() < deadline =>
-            {
-                std::thread::sleep(std::time::Duration::from_millis(20))
-            }
-            Err(e) => panic!("{e}"),
-        }
-    }
 }

@@ -8,6 +8,8 @@
 
 #![cfg(all(feature = "postgres", feature = "redis", feature = "sled"))]
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -114,7 +116,7 @@ async fn sled_records_of_format_1_replay_after_the_upgrade() {
             .unwrap();
         db.flush().unwrap();
     }
-    let store: Arc<dyn Store> = Arc::new(open_after_raw(dir.path()));
+    let store: Arc<dyn Store> = Arc::new(common::open_after_raw(dir.path()));
     let run = run.with_shared_store(store.clone());
     old_records_replay_and_list(store, &run).await;
 }
@@ -740,24 +742,4 @@ async fn postgres_connect_returns_within_its_timeout_while_a_long_transaction_ru
         ))
         .await
         .unwrap();
-}
-
-/// The store in `path`, once the raw `sled::Db` the test wrote with has let go of the
-/// directory: sled's background thread drops its lock a moment after the last handle
-/// (later on a busy machine), and `SledStore::open` waits only for stores it closed
-/// itself, taking any other holder for another process.
-fn open_after_raw(path: &std::path::Path) -> SledStore {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        match SledStore::open(path) {
-            Ok(store) => return store,
-            Err(e)
-                if e.to_string().contains("held by another process")
-                    && std::time::Instant::now() < deadline =>
-            {
-                std::thread::sleep(std::time::Duration::from_millis(20))
-            }
-            Err(e) => panic!("{e}"),
-        }
-    }
 }
