@@ -19,7 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
-use idem_core::store::{Fenced, Filter, Record, Resolution, State, StateKind, Timestamp};
+use idem_core::store::{
+    delete_settled_matching, Fenced, Filter, Record, Resolution, State, StateKind, Timestamp,
+};
 use idem_core::{Error, Key, PostgresStore, RedisStore, SledStore, Store};
 
 use output::Output;
@@ -334,7 +336,7 @@ async fn evict_key(
 
 /// Evicts a run's records. Without `force`, its running calls' claims stay (and are
 /// counted): the run's completed, failed and abandoned records are removed, each only
-/// if still so when the store removes it (`Store::delete_matching`).
+/// if still so when the store removes it (`store::delete_settled_matching`).
 async fn evict_run(
     store: &dyn Store,
     filter: Filter,
@@ -367,18 +369,7 @@ async fn evict_run(
     }
     // Each record is removed only if it is still in a settled state when the store
     // removes it, so a call that claims one meanwhile keeps its claim.
-    let mut removed = 0;
-    for state in [
-        StateKind::Completed,
-        StateKind::Failed,
-        StateKind::Abandoned,
-    ] {
-        let filter = Filter {
-            state: Some(state),
-            ..filter.clone()
-        };
-        removed += store.delete_matching(&filter).await?;
-    }
+    let removed = delete_settled_matching(store, &filter).await?;
     // What is left now: running calls' claims (some maybe made while this ran).
     let left = store.count(&filter).await?;
     let left = left.total() - left.unreadable;

@@ -30,7 +30,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
@@ -123,8 +123,8 @@ struct Entry {
     /// The body has ended: `max_run` no longer applies, and a renewal that finds the
     /// claim gone (its outcome recorded meanwhile) is no news.
     body_ended: AtomicBool,
-    /// Renewals sent and not yet answered (see [`Beat::before_settling`]).
-    in_flight: AtomicUsize,
+    /// A renewal is sent and not yet answered (see [`Beat::before_settling`]).
+    in_flight: AtomicBool,
     /// The call is settling the claim (releasing it, or giving it up as abandoned): a
     /// renewal that lands from now on gives it up again.
     settling: AtomicBool,
@@ -154,7 +154,7 @@ impl Beat {
             max_run: options.max_run,
             state: AtomicU8::new(RUNNING),
             body_ended: AtomicBool::new(false),
-            in_flight: AtomicUsize::new(0),
+            in_flight: AtomicBool::new(false),
             settling: AtomicBool::new(false),
             answered: event_listener::Event::new(),
             waker: Mutex::new(None),
@@ -237,7 +237,7 @@ impl Quiet {
         let until = Instant::now().checked_add(entry.lease);
         loop {
             let answered = entry.answered.listen();
-            if entry.in_flight.load(AtomicOrdering::SeqCst) == 0 {
+            if !entry.in_flight.load(AtomicOrdering::SeqCst) {
                 break;
             }
             match until.filter(|until| *until > Instant::now()) {
@@ -360,9 +360,12 @@ impl Periodic for Entry {
             return None;
         }
         // One renewal at a time: one still out is waited for, and looked at again soon.
-        let sent =
-            self.in_flight
-                .compare_exchange(0, 1, AtomicOrdering::SeqCst, AtomicOrdering::SeqCst);
+        let sent = self.in_flight.compare_exchange(
+            false,
+            true,
+            AtomicOrdering::SeqCst,
+            AtomicOrdering::SeqCst,
+        );
         if sent.is_err() {
             return Some(now + retry_after(self.every));
         }
@@ -467,7 +470,7 @@ struct InFlight(Arc<Entry>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, AtomicOrdering::SeqCst);
+        self.0.in_flight.store(false, AtomicOrdering::SeqCst);
         self.0.answered.notify(usize::MAX);
     }
 }

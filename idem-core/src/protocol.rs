@@ -1673,11 +1673,14 @@ fn record_late(
     failed: bool,
 ) {
     let late = Late {
-        store,
-        key: call.key.clone(),
-        tool: call.tool.clone(),
-        token,
-        options: call.options,
+        claim: Settlement {
+            store,
+            key: call.key.clone(),
+            tool: call.tool.clone(),
+            token,
+            options: call.options,
+            how: Settling::ByPolicy,
+        },
         span: call.tally.span().clone(),
         bytes: bytes.into(),
         failed,
@@ -1701,14 +1704,11 @@ fn record_late(
     );
 }
 
-/// An outcome to record late (see [`record_late`]), owning what that needs.
+/// An outcome to record late (see [`record_late`]): the claim, settled by the delivery
+/// policy if the outcome is never recorded, and the outcome.
 #[derive(Clone)]
 struct Late {
-    store: Arc<dyn Store>,
-    key: Key,
-    tool: Arc<str>,
-    token: Token,
-    options: Options,
+    claim: Settlement,
     span: tracing::Span,
     bytes: Arc<[u8]>,
     failed: bool,
@@ -1717,12 +1717,13 @@ struct Late {
 impl Late {
     /// Renewals of the claim, from now.
     fn beat(&self) -> Beat {
+        let claim = &self.claim;
         let beat = Beat::start(&Lease {
-            store: &self.store,
-            key: &self.key,
-            tool: &self.tool,
-            token: self.token,
-            options: &self.options,
+            store: &claim.store,
+            key: &claim.key,
+            tool: &claim.tool,
+            token: claim.token,
+            options: &claim.options,
             span: &self.span,
         });
         beat.body_ended();
@@ -1730,28 +1731,27 @@ impl Late {
     }
 
     async fn record(self, beat: Beat) {
-        let Late {
+        let Settlement {
             store,
             key,
             tool,
             token,
             options,
-            bytes,
-            failed,
             ..
-        } = self;
+        } = &self.claim;
         for delay in RECORD_AGAIN {
             crate::timer::sleep_until(Instant::now() + delay).await;
-            let completing = store.complete(&key, token, outcome(&bytes, failed), options.ttl);
+            let outcome = outcome(&self.bytes, self.failed);
+            let completing = store.complete(key, *token, outcome, options.ttl);
             match store_op(store.name(), "complete", completing).await {
                 Ok(Fenced::Applied) => {
                     tracing::info!(%tool, %key, "idem: an outcome the store failed to take is now recorded");
-                    wait::notify(&key);
+                    wait::notify(key);
                     return;
                 }
                 Ok(Fenced::LostLease) => {
                     tracing::info!(%tool, %key, "idem: an outcome the store seemed to refuse is not written again: the key no longer holds this call's claim (the first write landed late, or the claim was taken over)");
-                    wait::notify(&key);
+                    wait::notify(key);
                     return;
                 }
                 Err(error) => {
@@ -1759,10 +1759,8 @@ impl Late {
                 }
             }
         }
-        beat.before_settling().await;
         let why = "ran, but the store never took its outcome";
-        let how = Settling::ByPolicy;
-        settle(&*store, &key, &tool, token, &options, how, why).await;
+        self.claim.after(beat.end(), why).await;
     }
 }
 

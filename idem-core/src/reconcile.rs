@@ -10,8 +10,8 @@
 //! let call = Call::from_args(..);
 //! for _ in 0..20 {
 //!     let Some(abandoned) = abandoned(&call).await else { break };  // reads the key
-//!     let (answer, late) = ask(&call, check(abandoned.key(), &input)).await; // bounded
-//!     if settle(&call, abandoned, answer, late, eq).await { break } // one fenced write
+//!     let answer = ask(&call, check(abandoned.key(), &input)).await; // the hook, bounded
+//!     if settle(&call, abandoned, answer, eq).await { break }       // one fenced write
 //! }
 //! execute(call, async move { body }).await                          // as without a hook
 //! ```
@@ -163,38 +163,44 @@ const WATCH_EVERY: Duration = Duration::from_millis(250);
 /// Awaits a reconcile hook's `answer` for at most the tool's `reconcile_timeout`; past
 /// it, the hook is dropped and the answer is [`Reconciled::Unknown`], with a warning.
 /// A hook that blocks its thread cannot be stopped: its answer, when it comes after the
-/// timeout, is [`Reconciled::Unknown`] all the same. Returns the answer, and whether
-/// the hook was late (so [`settle`] does not say again that the outcome stays unknown).
+/// timeout, is [`Reconciled::Unknown`] all the same. An answer that leaves the outcome
+/// unknown, late or not, is said here, once.
 pub async fn ask<T>(
     call: &Result<Call, Error>,
     answer: impl Future<Output = Reconciled<T>>,
-) -> (Reconciled<T>, bool) {
+) -> Reconciled<T> {
     let Ok(call) = call else {
-        return (Reconciled::Unknown, false);
+        return Reconciled::Unknown;
     };
     let timeout = call.options().reconcile_timeout;
-    let Some(deadline) = Instant::now().checked_add(timeout) else {
-        return (answer.await, false);
-    };
-    let mut answer = std::pin::pin!(answer);
-    let mut alarm = std::pin::pin!(crate::timer::sleep_until(deadline));
-    let answered = std::future::poll_fn(|cx| {
-        if let Poll::Ready(answer) = answer.as_mut().poll(cx) {
-            // An answer that came too late (a hook that blocked its thread, or waited
-            // behind other tasks) counts as none.
-            return Poll::Ready(Some(answer).filter(|_| Instant::now() <= deadline));
+    let answered = match Instant::now().checked_add(timeout) {
+        None => Some(answer.await),
+        Some(deadline) => {
+            let mut answer = std::pin::pin!(answer);
+            let mut alarm = std::pin::pin!(crate::timer::sleep_until(deadline));
+            std::future::poll_fn(|cx| {
+                if let Poll::Ready(answer) = answer.as_mut().poll(cx) {
+                    // An answer that came too late (a hook that blocked its thread, or
+                    // waited behind other tasks) counts as none.
+                    return Poll::Ready(Some(answer).filter(|_| Instant::now() <= deadline));
+                }
+                alarm.as_mut().poll(cx).map(|()| None)
+            })
+            .await
         }
-        alarm.as_mut().poll(cx).map(|()| None)
-    })
-    .await;
-    let Some(answer) = answered else {
-        in_span(
-            call.span(),
-            || tracing::warn!(tool = %call.tool(), key = %call.key(), timeout = %Human(timeout), "idem: the reconcile hook did not answer within its reconcile_timeout; the outcome stays unknown"),
-        );
-        return (Reconciled::Unknown, true);
     };
-    (answer, false)
+    let log = |f: &dyn Fn()| in_span(call.span(), f);
+    let (tool, key) = (call.tool(), call.key());
+    match answered {
+        None => log(
+            &|| tracing::warn!(%tool, %key, timeout = %Human(timeout), "idem: the reconcile hook did not answer within its reconcile_timeout; the outcome stays unknown"),
+        ),
+        Some(Reconciled::Unknown) => log(
+            &|| tracing::warn!(%tool, %key, "idem: the reconcile hook cannot tell what happened; the outcome stays unknown"),
+        ),
+        Some(_) => {}
+    }
+    answered.unwrap_or(Reconciled::Unknown)
 }
 
 /// Settles `abandoned` by the hook's `answer` (see the module docs). Failures are
@@ -208,14 +214,9 @@ pub async fn settle<R: ToolOutput>(
     call: &Result<Call, Error>,
     abandoned: Abandoned,
     answer: Reconciled<R::Ok>,
-    late: bool,
     eq: Equality<R::Ok>,
 ) -> bool {
     let Ok(call) = call else { return true };
-    // A late hook was said so by `ask`.
-    if late {
-        return true;
-    }
     let Abandoned { store, key, token } = abandoned;
     let tool = call.tool();
     let log = |f: &dyn Fn()| in_span(call.span(), f);
@@ -259,12 +260,8 @@ pub async fn settle<R: ToolOutput>(
             )
         }
         Reconciled::NeverHappened => (Resolution::Released, "it never happened; running it now"),
-        Reconciled::Unknown => {
-            log(
-                &|| tracing::warn!(%tool, %key, "idem: the reconcile hook cannot tell what happened; the outcome stays unknown"),
-            );
-            return true;
-        }
+        // Said so by `ask`.
+        Reconciled::Unknown => return true,
     };
     match store_op(
         store.name(),

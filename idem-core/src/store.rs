@@ -316,6 +316,26 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// Removes every live record that matches `filter` and is settled (completed, failed,
+/// or an abandoned claim), and leaves running calls' claims: [`Store::delete_matching`]
+/// once for each settled state, so each record is judged as it is removed (a claim made
+/// meanwhile stays). What `idem evict --run` does without `--force`.
+pub async fn delete_settled_matching(store: &dyn Store, filter: &Filter) -> Result<u64, Error> {
+    let mut removed = 0;
+    for state in [
+        StateKind::Completed,
+        StateKind::Failed,
+        StateKind::Abandoned,
+    ] {
+        let filter = Filter {
+            state: Some(state),
+            ..filter.clone()
+        };
+        removed += store.delete_matching(&filter).await?;
+    }
+    Ok(removed)
+}
+
 /// Whether a claim on `record` would replay its result: the record is live, completed,
 /// and for `fingerprint` (the rule [`Store::with_completed_result`] answers by).
 pub fn is_replayable(record: &Record, fingerprint: &Fingerprint, now: Timestamp) -> bool {

@@ -1083,7 +1083,8 @@ pub async fn delete_matching_removes_only_matching_records(store: &dyn Store) {
 
 /// Deletes that leave running calls' claims (what `idem evict` does without `--force`):
 /// `delete_settled` removes a completed, failed or abandoned record and keeps a running
-/// claim; `delete_matching` by a settled state removes only records in that state.
+/// claim; `delete_settled_matching` (`delete_matching` by each settled state) removes a
+/// run's records but its running claims.
 pub async fn settled_deletes_leave_running_claims(store: &dyn Store) {
     let name = "settled_deletes_leave_running_claims";
     let origin = unique_origin(name, "send_email");
@@ -1109,19 +1110,15 @@ pub async fn settled_deletes_leave_running_claims(store: &dyn Store) {
 
     let origin = unique_origin(name, "send_email");
     let made = fill_run(name, store, &origin).await;
-    let mut removed = 0;
-    for state in [
-        StateKind::Completed,
-        StateKind::Failed,
-        StateKind::Abandoned,
-    ] {
-        let filter = Filter {
-            run_id: Some(origin.run_id.to_string()),
-            state: Some(state),
-            ..Filter::default()
-        };
-        removed += ok(name, store.delete_matching(&filter).await).await;
-    }
+    let run = Filter {
+        run_id: Some(origin.run_id.to_string()),
+        ..Filter::default()
+    };
+    let removed = ok(
+        name,
+        crate::store::delete_settled_matching(store, &run).await,
+    )
+    .await;
     let running = made.iter().filter(|(k, _)| *k == StateKind::Running);
     check!(
         name,

@@ -194,7 +194,7 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
                     else {
                         break;
                     };
-                    let (__idem_answer, __idem_late) = #reconciling::ask(
+                    let __idem_answer = #reconciling::ask(
                         &__idem_call,
                         #hook(__idem_abandoned.key(), #(#refs),*),
                     )
@@ -203,7 +203,6 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
                         &__idem_call,
                         __idem_abandoned,
                         __idem_answer,
-                        __idem_late,
                         #compare_ident.ok,
                     )
                     .await
