@@ -45,6 +45,21 @@
 //! The `metrics` feature counts calls by tool and outcome through the `metrics` facade
 //! (`describe_metrics` lists them). See `docs/observability.md`.
 //!
+//! ## Without the attribute
+//!
+//! A tool known only at run time (a name from a request, a `serde_json::Value` input,
+//! a plugin, an MCP server that forwards calls) uses [`Tool`], the same protocol with
+//! the same keys and records:
+//!
+//! ```no_run
+//! # async fn demo(run: idem::Run, args: serde_json::Value) -> Result<(), idem::Error> {
+//! let tool = idem::Tool::new("send_email").ttl(std::time::Duration::from_secs(86_400));
+//! let sent: serde_json::Value = tool
+//!     .call(&run, &args, |key| async move { Ok(serde_json::json!({ "id": key.to_string() })) })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
 //! ## Options
 //!
 //! Every option, what the attribute accepts and the TTL guidance are on the attribute
@@ -59,7 +74,7 @@ pub use idem_core::sweeper;
 pub use idem_core::{
     current_key, default_store, default_store_dir, observe, observe_sync, set_default_store,
     CallOutcome, CallReport, Delivery, Error, Key, LocalCache, LostTo, MemoryStore, OnBusy,
-    Options, Reconciled, Run, Store,
+    OnCancel, Options, Reconciled, Run, Store, Tool,
 };
 #[cfg(feature = "postgres")]
 pub use idem_core::{PostgresStore, PostgresStoreBuilder};
@@ -77,6 +92,12 @@ pub mod store {
     pub use idem_core::testing;
 }
 
+/// The dynamic API: [`Tool`], idempotency for a tool known only at run time (see
+/// `docs/dynamic.md`), and what happens to a body's `Err`.
+pub mod tool {
+    pub use idem_core::tool::{CacheErrors, ErrorPolicy, ReleaseErrors, Tool};
+}
+
 /// Helpers for a tool's own input types.
 pub mod key {
     pub use idem_core::input::{sorted, Sorted};
@@ -89,10 +110,10 @@ pub mod key {
 #[doc(hidden)]
 pub mod __private_0_1_0 {
     pub use idem_core::__private::{
-        abandoned, ask, default_tool_name, execute, execute_blocking, execute_finishing,
-        from_idem_error, settle, CacheErrors, Call, Checked, Compare, Equality, ErrByJson,
+        default_tool_name, execute, execute_blocking, execute_finishing, from_idem_error,
+        hook_answer, reconcile, CacheErrors, Call, Checked, Compare, Equality, ErrByJson,
         ErrByPartialEq, JsonOnly, KeyInput, OkByJson, OkByPartialEq, Probe, ReleaseErrors,
         Replayable, RunArgument, RunSource, Sorted, ToolOutput,
     };
-    pub use idem_core::Options;
+    pub use idem_core::{Key, Options};
 }

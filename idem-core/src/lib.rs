@@ -52,6 +52,7 @@ mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod timer;
+pub mod tool;
 mod wait;
 
 /// Helpers for a tool's own input types.
@@ -61,7 +62,7 @@ pub mod input {
 
 pub use error::{Error, LostTo};
 pub use key_text::Key;
-pub use options::{Delivery, OnBusy, Options};
+pub use options::{Delivery, OnBusy, OnCancel, Options};
 pub use reconcile::Reconciled;
 pub use run::{current_key, default_store, default_store_dir, set_default_store, Run};
 pub use store::local_cache::LocalCache;
@@ -76,6 +77,7 @@ pub use store::Store;
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;
 pub use telemetry::{observe, observe_sync, CallOutcome, CallReport};
+pub use tool::Tool;
 
 /// What the `#[idempotent]` attribute's code calls, through the `idem` facade. Not
 /// public API: it may change in any release.
@@ -90,5 +92,5 @@ pub mod __private {
     pub use crate::read_back::{
         Equality, ErrByJson, ErrByPartialEq, JsonOnly, OkByJson, OkByPartialEq, Probe,
     };
-    pub use crate::reconcile::{abandoned, ask, settle, Abandoned};
+    pub use crate::reconcile::{hook_answer, reconcile};
 }

@@ -22,6 +22,19 @@ pub enum Delivery {
     AtMostOnce,
 }
 
+/// What a call does when its caller stops waiting (its own timeout, `select!`, an
+/// aborted task, a disconnected client) while the body runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OnCancel {
+    /// The body runs on, in a task of its own, to its end; its outcome is recorded, so
+    /// a retry gets it (the default for a body that owns what it uses).
+    #[default]
+    Finish,
+    /// The body is dropped with the call, and its claim settled at once by the
+    /// [`Delivery`] policy.
+    Abort,
+}
+
 /// What a call does when another call holds its key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnBusy {

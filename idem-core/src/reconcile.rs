@@ -3,17 +3,17 @@
 //! asks the downstream system what happened (a provider's lookup by idempotency key),
 //! and the answer settles the abandoned claim.
 //!
-//! The attribute (`#[idempotent(at_most_once, reconcile = check)]`) generates, in
-//! substance:
+//! [`reconcile`] runs before such a call (the attribute's
+//! `#[idempotent(at_most_once, reconcile = check)]`, or [`Tool::reconcile`](crate::Tool)),
+//! in substance:
 //!
 //! ```text
-//! let call = Call::from_args(..);
-//! for _ in 0..20 {
-//!     let Some(abandoned) = abandoned(&call).await else { break };  // reads the key
+//! for _ in 0..RECONCILE_ROUNDS {
+//!     let Some(abandoned) = abandoned(&call).await else { break };   // reads the key
 //!     let answer = ask(&call, check(abandoned.key(), &input)).await; // the hook, bounded
-//!     if settle(&call, abandoned, answer, eq).await { break }       // one fenced write
+//!     if resolve_abandoned(&call, abandoned, answer).await { break } // one fenced write
 //! }
-//! execute(call, async move { body }).await                          // as without a hook
+//! execute(call, async move { body }).await                           // as without a hook
 //! ```
 //!
 //! The hook has the tool's `reconcile_timeout` to answer (10 seconds by default;
@@ -39,14 +39,17 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use crate::error::{Human, Logged};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::error::{Error, Human, Logged};
+use crate::key_text::Key;
 use crate::options::Delivery;
-use crate::protocol::{Call, ToolOutput};
+use crate::protocol::Call;
 use crate::read_back::{self, Equality};
 use crate::record::{State, Timestamp, Token};
 use crate::store::{Fenced, Resolution, Store};
 use crate::telemetry::{in_span, store_op};
-use crate::{Error, Key};
 
 /// What a reconcile hook found out downstream about a call whose outcome is unknown
 /// (its process stopped, or its caller dropped it, between claiming the key and
@@ -86,7 +89,7 @@ pub enum Reconciled<T> {
 }
 
 /// An abandoned claim found before a call: what its settling needs.
-pub struct Abandoned {
+struct Abandoned {
     store: Arc<dyn Store>,
     key: Key,
     token: Token,
@@ -94,7 +97,7 @@ pub struct Abandoned {
 
 impl Abandoned {
     /// The call's key, for the hook.
-    pub fn key(&self) -> &Key {
+    fn key(&self) -> &Key {
         &self.key
     }
 }
@@ -107,7 +110,7 @@ impl Abandoned {
 /// if it completes, or the wait would end first, this is `None` and the call answers as
 /// usual; if its lease runs out, it is abandoned. Any other case, a store error
 /// included, is `None`: the call goes on and answers as it would without a hook.
-pub async fn abandoned(call: &Result<Call, Error>) -> Option<Abandoned> {
+async fn abandoned(call: &Result<Call, Error>) -> Option<Abandoned> {
     let call = call.as_ref().ok()?;
     if call.options().delivery != Delivery::AtMostOnce {
         return None;
@@ -165,7 +168,7 @@ const WATCH_EVERY: Duration = Duration::from_millis(250);
 /// A hook that blocks its thread cannot be stopped: its answer, when it comes after the
 /// timeout, is [`Reconciled::Unknown`] all the same. An answer that leaves the outcome
 /// unknown, late or not, is said here, once.
-pub async fn ask<T>(
+async fn ask<T>(
     call: &Result<Call, Error>,
     answer: impl Future<Output = Reconciled<T>>,
 ) -> Reconciled<T> {
@@ -203,65 +206,122 @@ pub async fn ask<T>(
     answered.unwrap_or(Reconciled::Unknown)
 }
 
+/// How many times a call looks at its key and asks the reconcile hook before it goes
+/// on as without a hook: 20. A round that finds the abandoned claim changed under it
+/// (another caller settled it, or the store's clock did not yet see its lease run out)
+/// looks again 50 ms later, so the bound is about a second of such rounds, plus the
+/// hook's own time in each.
+pub const RECONCILE_ROUNDS: usize = 20;
+
+/// Before an at-most-once call: settles an abandoned claim of it by what `hook` finds
+/// out downstream (see the module docs), in at most [`RECONCILE_ROUNDS`] rounds. The
+/// call then runs as usual, and finds what is there now.
+///
+/// `hook` gets the call's key; `eq` compares a value it answers with what its JSON
+/// reads back as (the attribute passes the type's `PartialEq` where it has one).
+pub async fn reconcile<T, Fut>(
+    call: &Result<Call, Error>,
+    eq: Equality<T>,
+    mut hook: impl FnMut(Key) -> Fut,
+) where
+    T: Serialize + DeserializeOwned,
+    Fut: Future<Output = Reconciled<T>>,
+{
+    for _ in 0..RECONCILE_ROUNDS {
+        let Some(abandoned) = abandoned(call).await else {
+            return;
+        };
+        let answer = ask(call, hook(abandoned.key().clone())).await;
+        let Some(answer) = encode(call, &abandoned, answer, eq) else {
+            return;
+        };
+        if resolve_abandoned(call, abandoned, answer).await {
+            return;
+        }
+    }
+}
+
+/// A reconcile hook's `answer`, as the tool's value type (`eq`'s): where the attribute
+/// says so, so that a hook of another type is an error at the hook.
+pub fn hook_answer<T>(eq: Equality<T>, answer: Reconciled<T>) -> Reconciled<T> {
+    let _ = eq;
+    answer
+}
+
+/// A hook's answer, ready for the store.
+enum Answer {
+    /// It happened, with this result, serialized.
+    Happened(Vec<u8>),
+    NeverHappened,
+}
+
+/// The hook's `answer`, with a value it found serialized and checked to read back as
+/// itself; `None` when the outcome stays unknown (said here, or by [`ask`]).
+fn encode<T: Serialize + DeserializeOwned>(
+    call: &Result<Call, Error>,
+    abandoned: &Abandoned,
+    answer: Reconciled<T>,
+    eq: Equality<T>,
+) -> Option<Answer> {
+    let call = call.as_ref().ok()?;
+    let (tool, key, store) = (call.tool(), &abandoned.key, &abandoned.store);
+    let log = |f: &dyn Fn()| in_span(call.span(), f);
+    let value = match answer {
+        Reconciled::Happened(value) => value,
+        Reconciled::NeverHappened => return Some(Answer::NeverHappened),
+        // Said so by `ask`.
+        Reconciled::Unknown => return None,
+    };
+    let written = serde_json::to_vec(&value).map_err(|source| Error::Output {
+        key: key.clone(),
+        source,
+    });
+    let read_back = |bytes: &[u8]| {
+        read_back::reads_back(bytes, &value, eq).map_err(|source| Error::Unreplayable {
+            tool: tool.to_owned(),
+            key: key.clone(),
+            source,
+        })
+    };
+    match written.and_then(|bytes| read_back(&bytes).map(|()| bytes)) {
+        Ok(bytes) if bytes.len() <= store.max_result_bytes() => Some(Answer::Happened(bytes)),
+        Ok(bytes) => {
+            let (len, max) = (bytes.len(), store.max_result_bytes());
+            log(
+                &|| tracing::warn!(%tool, %key, len, max, "idem: the reconcile hook's result is larger than the store keeps; the outcome stays unknown"),
+            );
+            None
+        }
+        Err(error) => {
+            log(
+                &|| tracing::warn!(%tool, %key, error = %Logged(&error), "idem: the reconcile hook's result cannot be stored so that a retry reads it back as itself; the outcome stays unknown"),
+            );
+            None
+        }
+    }
+}
+
 /// Settles `abandoned` by the hook's `answer` (see the module docs). Failures are
 /// logged, and leave the claim as it was: the call then answers `OutcomeUnknown`.
 /// Returns `false` when the claim changed before it could be settled (another caller
 /// settled it, or the store's clock did not yet see its lease run out): look again.
-///
-/// `eq` compares a value the hook answers with what its JSON reads back as (the
-/// attribute passes the type's `PartialEq` where it has one).
-pub async fn settle<R: ToolOutput>(
+async fn resolve_abandoned(
     call: &Result<Call, Error>,
     abandoned: Abandoned,
-    answer: Reconciled<R::Ok>,
-    eq: Equality<R::Ok>,
+    answer: Answer,
 ) -> bool {
     let Ok(call) = call else { return true };
     let Abandoned { store, key, token } = abandoned;
-    let tool = call.tool();
     let log = |f: &dyn Fn()| in_span(call.span(), f);
-    let bytes;
-    let (resolution, what) = match answer {
-        Reconciled::Happened(value) => {
-            let written = serde_json::to_vec(&value).map_err(|source| Error::Output {
-                key: key.clone(),
-                source,
-            });
-            let read_back = |bytes: &[u8]| {
-                read_back::reads_back(bytes, &value, eq).map_err(|source| Error::Unreplayable {
-                    tool: tool.to_owned(),
-                    key: key.clone(),
-                    source,
-                })
-            };
-            bytes = match written.and_then(|bytes| read_back(&bytes).map(|()| bytes)) {
-                Ok(bytes) if bytes.len() <= store.max_result_bytes() => bytes,
-                Ok(bytes) => {
-                    let (len, max) = (bytes.len(), store.max_result_bytes());
-                    log(
-                        &|| tracing::warn!(%tool, %key, len, max, "idem: the reconcile hook's result is larger than the store keeps; the outcome stays unknown"),
-                    );
-                    return true;
-                }
-                Err(error) => {
-                    log(
-                        &|| tracing::warn!(%tool, %key, error = %Logged(&error), "idem: the reconcile hook's result cannot be stored so that a retry reads it back as itself; the outcome stays unknown"),
-                    );
-                    return true;
-                }
-            };
-            let resolution = Resolution::Completed {
-                result: &bytes,
+    let (resolution, what) = match &answer {
+        Answer::Happened(bytes) => (
+            Resolution::Completed {
+                result: bytes,
                 ttl: call.options().ttl,
-            };
-            (
-                resolution,
-                "it happened; its result is recorded and replayed",
-            )
-        }
-        Reconciled::NeverHappened => (Resolution::Released, "it never happened; running it now"),
-        // Said so by `ask`.
-        Reconciled::Unknown => return true,
+            },
+            "it happened; its result is recorded and replayed",
+        ),
+        Answer::NeverHappened => (Resolution::Released, "it never happened; running it now"),
     };
     match store_op(
         store.name(),
@@ -276,7 +336,7 @@ pub async fn settle<R: ToolOutput>(
                 &|| tracing::debug!(%key, "idem: the abandoned claim changed while it was reconciled; looking again"),
             );
             // A store whose clock is behind this process's sees the lease run out a
-            // moment later (the attribute looks again up to 20 times: a second).
+            // moment later (see `RECONCILE_ROUNDS`).
             if let Some(at) = Instant::now().checked_add(Duration::from_millis(50)) {
                 crate::timer::sleep_until(at).await;
             }

@@ -176,40 +176,29 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
     // reference). Spanned at the hook: a hook of the wrong shape is an error there.
     let reconciling = private.clone();
     let compare_ident = format_ident!("__idem_compare");
-    let reconcile = |output: &Type| match &args.reconcile {
+    let reconcile = match &args.reconcile {
         None => quote!(),
         Some((hook, _)) => {
-            let refs = params.iter().filter_map(|p| match p.role {
-                Role::Run { .. } => None,
-                _ => {
-                    let ident = &p.ident;
-                    Some(quote!(&#ident))
-                }
-            });
+            // Every argument but the run, by reference, rebound under its own name in
+            // the closure that asks the hook (which gets the key, owned).
+            let idents: Vec<&Ident> = params
+                .iter()
+                .filter(|p| !matches!(p.role, Role::Run { .. }))
+                .map(|p| &p.ident)
+                .collect();
             let span = hook.span();
             quote_spanned! {span=>
-                for _ in 0..20 {
-                    let ::core::option::Option::Some(__idem_abandoned) =
-                        #reconciling::abandoned(&__idem_call).await
-                    else {
-                        break;
-                    };
-                    let __idem_answer = #reconciling::ask(
-                        &__idem_call,
-                        #hook(__idem_abandoned.key(), #(#refs),*),
-                    )
-                    .await;
-                    if #reconciling::settle::<#output>(
-                        &__idem_call,
-                        __idem_abandoned,
-                        __idem_answer,
-                        #compare_ident.ok,
-                    )
-                    .await
-                    {
-                        break;
+                #reconciling::reconcile(&__idem_call, #compare_ident.ok, {
+                    let __idem_args = (#(&#idents,)*);
+                    let __idem_eq = #compare_ident.ok;
+                    move |__idem_key: #reconciling::Key| {
+                        let (#(#idents,)*) = __idem_args;
+                        async move {
+                            #reconciling::hook_answer(__idem_eq, #hook(&__idem_key, #(#idents),*).await)
+                        }
                     }
-                }
+                })
+                .await;
             }
         }
     };
@@ -300,7 +289,6 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         let (compare, checked) = compare(&ret);
         let executed = execute(owned, &mut block, &quote!(#ret), &checked, ret.span());
         let body = finish(quote_spanned!(ret.span()=> #executed.await));
-        let reconcile = reconcile(&ret);
         *func.block = syn::parse_quote!({
             #run_source
             let #call_ident = #call;
@@ -326,8 +314,6 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
         let (compare, checked) = compare(&output);
         let executed = execute(owned, &mut block, &quote!(_), &checked, Span::call_site());
         let body = finish(quote!(#executed.await));
-        // The hook's answer is the tool's value: the output the boxed future has.
-        let reconcile = reconcile(&output);
         inner.stmts = syn::parse_quote!(
             #run_source
             let #call_ident = #call;

@@ -1,0 +1,157 @@
+//! A call: its run, its key and input fingerprint, its options, and its telemetry.
+//! Made once, before anything touches the store; every other part of the protocol
+//! reads from it.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::error::Error;
+use crate::key::{Fingerprint, KeyInput, KeyParts};
+use crate::key_text::Key;
+use crate::options::Options;
+use crate::run::Run;
+use crate::telemetry::{self, Handover, Report, Tally};
+
+/// One idempotent call, ready to execute: its run, key and input fingerprint.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub(super) run: Run,
+    pub(super) tool: Arc<str>,
+    pub(super) key: Key,
+    pub(super) fingerprint: Fingerprint,
+    pub(super) options: Options,
+    /// Its span, and what the protocol learns on the way (see [`telemetry`]).
+    pub(super) tally: Tally,
+}
+
+impl Call {
+    /// Prepares a call of `tool` whose key covers the whole `input`.
+    ///
+    /// `run` is the explicit run, if the tool takes one; otherwise the ambient run
+    /// ([`Run::current`]) is used, and without one the call is [`Error::NoRun`].
+    pub fn new<I: Serialize + ?Sized>(
+        run: Option<&Run>,
+        tool: &str,
+        options: Options,
+        input: &I,
+    ) -> Result<Call, Error> {
+        Self::build(run, tool, options, |parts| {
+            let fingerprint = Fingerprint::of(parts, input)?;
+            Ok((fingerprint, fingerprint))
+        })
+    }
+
+    /// Prepares a call of `tool` whose key covers only `key_input` (a part of `input`).
+    /// The fingerprint still covers all of `input`: reusing the key with another input
+    /// is an [`Error::PayloadMismatch`].
+    pub fn with_key<I: Serialize + ?Sized, K: Serialize + ?Sized>(
+        run: Option<&Run>,
+        tool: &str,
+        options: Options,
+        input: &I,
+        key_input: &K,
+    ) -> Result<Call, Error> {
+        Self::build(run, tool, options, |parts| {
+            Ok((
+                Fingerprint::of(parts, input)?,
+                Fingerprint::of(parts, key_input)?,
+            ))
+        })
+    }
+
+    /// Prepares a call from the function's arguments, as the attribute does: `args` are
+    /// the arguments (hashed as a JSON array), `key` the ones that form the key, if not
+    /// all of them.
+    pub fn from_args(
+        run: Option<&Run>,
+        tool: &str,
+        options: Options,
+        args: &[&dyn KeyInput],
+        key: Option<&[&dyn KeyInput]>,
+    ) -> Result<Call, Error> {
+        Self::build(run, tool, options, |parts| {
+            let fingerprint = Fingerprint::of_args(parts, args)?;
+            let key_fingerprint = match key {
+                Some(key) => Fingerprint::of_args(parts, key)?,
+                None => fingerprint,
+            };
+            Ok((fingerprint, key_fingerprint))
+        })
+    }
+
+    /// Resolves the run (the explicit one, else the ambient one), then takes the
+    /// fingerprints of the whole input and of the key's input with the call's parts.
+    fn build(
+        run: Option<&Run>,
+        tool: &str,
+        options: Options,
+        fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(Fingerprint, Fingerprint), Error>,
+    ) -> Result<Call, Error> {
+        let run = match run.cloned().or_else(Run::current) {
+            // A blank id would make every such caller one run.
+            Some(run) if !crate::run::is_blank(run.id()) => run,
+            run => {
+                let error = Error::NoRun {
+                    tool: tool.to_owned(),
+                    blank_id: run.as_ref().map(|run| run.id().to_owned()),
+                };
+                telemetry::rejected(tool, run.as_ref().and_then(Run::call_id), &error);
+                return Err(error);
+            }
+        };
+        let parts = KeyParts {
+            tenant: run.tenant(),
+            run_id: run.id(),
+            call_id: run.call_id(),
+            tool,
+        };
+        let (fingerprint, key_fingerprint) = fingerprints(&parts)
+            .inspect_err(|error| telemetry::rejected(tool, run.call_id(), error))?;
+        let key = Key::of(tool, &key_fingerprint);
+        Ok(Call {
+            tally: Tally::new(tool, &key, &run),
+            key,
+            run,
+            tool: tool.into(),
+            fingerprint,
+            options: options.clamped(),
+        })
+    }
+
+    /// The call's idempotency key.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// The fingerprint of the call's whole input (with its key parts).
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    pub(crate) fn run(&self) -> &Run {
+        &self.run
+    }
+
+    pub(crate) fn options(&self) -> &Options {
+        &self.options
+    }
+
+    pub(crate) fn tool(&self) -> &str {
+        &self.tool
+    }
+
+    pub(crate) fn span(&self) -> &tracing::Span {
+        self.tally.span()
+    }
+
+    /// Starts reporting the call's outcome.
+    pub(super) fn report(&self) -> Report<'_> {
+        Report::start(&self.tool, &self.key, &self.run, &self.tally)
+    }
+
+    /// Goes on reporting the call's outcome, in the part of the call that owns it now.
+    pub(super) fn resume(&self, handover: Handover) -> Report<'_> {
+        Report::resume(&self.tool, &self.key, &self.run, &self.tally, handover)
+    }
+}

@@ -1,0 +1,539 @@
+//! The typed shim: what the `#[idempotent]` attribute and [`Tool`](crate::Tool) call.
+//!
+//! A tool's own types meet the protocol here, and only here: its input is serialized
+//! into the call ([`Call`]), a stored outcome is decoded into its `Result`, and the
+//! outcome its body returns is serialized (and read back) into what the store
+//! records. Each of [`execute`], [`execute_finishing`] and [`execute_blocking`] is that
+//! glue around the shared parts (claiming, waiting, running the body with its
+//! heartbeat, recording, settling), which are compiled once for every tool.
+
+use std::any::Any;
+use std::future::Future;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tracing::Instrument;
+
+use super::call::Call;
+use super::claim::{self, Acquired, Owner};
+use super::finish::{self, BoxBody, Ended, Prepared};
+use crate::error::Error;
+use crate::key_text::Key;
+use crate::read_back::{self, Equality};
+use crate::run::Run;
+use crate::telemetry::Report;
+
+/// The argument the attribute takes for the call's run: an argument whose type is
+/// written `Run` or `&Run` (or `idem::Run`). A type of another crate named `Run` is
+/// caught here, with the error saying why.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not idem's `Run`, but `#[idempotent]` took this argument for the call's run because its type is named `Run`",
+    label = "taken for the run, since its type is named `Run`",
+    note = "to make it an ordinary input (part of the key), write its type by another path (`workflow::Run`) or alias (`use workflow::Run as WorkflowRun;`); idem's run argument is an `idem::Run` or `&idem::Run`"
+)]
+pub trait RunArgument {
+    /// The run.
+    fn as_run(&self) -> &Run;
+}
+
+impl RunArgument for Run {
+    fn as_run(&self) -> &Run {
+        self
+    }
+}
+
+impl<T: RunArgument + ?Sized> RunArgument for &T {
+    fn as_run(&self) -> &Run {
+        (**self).as_run()
+    }
+}
+
+/// Where a call's run comes from, for the attribute's `run = expr` option: a `Run`, a
+/// `&Run`, an `Arc<Run>` (as context maps such as rig's `ToolContext::scope` hand out),
+/// or an `Option` of one (`None`: use the ambient run).
+pub trait RunSource {
+    /// The run, if this source has one.
+    fn run(&self) -> Option<&Run>;
+}
+
+impl RunSource for Run {
+    fn run(&self) -> Option<&Run> {
+        Some(self)
+    }
+}
+
+impl RunSource for &Run {
+    fn run(&self) -> Option<&Run> {
+        Some(self)
+    }
+}
+
+impl RunSource for Option<Run> {
+    fn run(&self) -> Option<&Run> {
+        self.as_ref()
+    }
+}
+
+impl RunSource for Option<&Run> {
+    fn run(&self) -> Option<&Run> {
+        *self
+    }
+}
+
+impl RunSource for Arc<Run> {
+    fn run(&self) -> Option<&Run> {
+        Some(self)
+    }
+}
+
+impl RunSource for Option<Arc<Run>> {
+    fn run(&self) -> Option<&Run> {
+        self.as_deref()
+    }
+}
+
+/// What a tool function returns: a `Result` whose `Ok` value idem can store.
+#[diagnostic::on_unimplemented(
+    message = "an `#[idempotent]` function must return `Result<T, E>`, not `{Self}`",
+    label = "idem stores the `Ok` value and replays it; return a `Result`",
+    note = "`E` must implement `From<idem::Error>`, or name a conversion with `map_error = ...`"
+)]
+pub trait ToolOutput: Sized {
+    /// The success type, stored and replayed.
+    type Ok: Replayable;
+    /// The error type.
+    type Err;
+    /// Splits the output.
+    fn into_result(self) -> Result<Self::Ok, Self::Err>;
+    /// Rebuilds the output.
+    fn from_result(result: Result<Self::Ok, Self::Err>) -> Self;
+    /// Whether the output is the tool's error.
+    fn failed(&self) -> bool;
+}
+
+impl<T: Replayable, E> ToolOutput for Result<T, E> {
+    type Ok = T;
+    type Err = E;
+    fn into_result(self) -> Result<T, E> {
+        self
+    }
+    fn from_result(result: Result<T, E>) -> Self {
+        result
+    }
+    fn failed(&self) -> bool {
+        self.is_err()
+    }
+}
+
+/// A value idem can store and replay: `Serialize + DeserializeOwned`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be stored and replayed by idem",
+    label = "must implement `serde::Serialize` and `serde::de::DeserializeOwned`",
+    note = "derive `Serialize` and `Deserialize` for it: idem stores the first call's value and returns it to every retry"
+)]
+pub trait Replayable: Serialize + DeserializeOwned {}
+impl<T: Serialize + DeserializeOwned> Replayable for T {}
+
+/// What happens to a call that returned `Err`: see [`ReleaseErrors`] and [`CacheErrors`].
+pub trait ErrorPolicy<E> {
+    /// How errors are stored and replayed; `None` for a policy that stores none.
+    const STORED: Option<ErrorCodec<E>>;
+}
+
+/// How an [`ErrorPolicy`] that caches errors stores them: plain functions, so the
+/// protocol's code is shared by every tool, not copied into each.
+pub struct ErrorCodec<E> {
+    /// Serializes an error for storage.
+    pub encode: fn(&E) -> Result<Vec<u8>, serde_json::Error>,
+    /// Deserializes a stored error.
+    pub decode: fn(&[u8]) -> Result<E, serde_json::Error>,
+    /// Checks, before an error is stored, that its bytes read back as the same error
+    /// (see `read_back.rs`).
+    pub reads_back: ReadsBack<E>,
+}
+
+/// Whether bytes read back as a value (see `read_back.rs`).
+pub type ReadsBack<E> = fn(&[u8], &E, Equality<E>) -> Result<(), serde_json::Error>;
+
+/// The default error policy: an `Err` releases the claim, so a retry runs again.
+#[derive(Debug, Clone, Copy)]
+pub struct ReleaseErrors;
+
+impl<E> ErrorPolicy<E> for ReleaseErrors {
+    const STORED: Option<ErrorCodec<E>> = None;
+}
+
+/// Opt-in error policy: an `Err` is stored like a result and replayed to retries until
+/// the TTL ends (for errors that retrying cannot fix, such as a rejected card).
+/// Requires `E: Serialize + DeserializeOwned`.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheErrors;
+
+impl<E: Replayable> ErrorPolicy<E> for CacheErrors {
+    const STORED: Option<ErrorCodec<E>> = Some(ErrorCodec {
+        encode: serde_json::to_vec::<E>,
+        decode: from_json::<E>,
+        reads_back: read_back::reads_back::<E>,
+    });
+}
+
+fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_json::Error> {
+    serde_json::from_slice(bytes)
+}
+
+/// How a tool's outcomes are compared with the values their JSON reads back as, before
+/// they are stored (see `read_back.rs`): its result (`T`), and its error (`E`)
+/// where errors are cached.
+pub struct Compare<T, E> {
+    /// For the result.
+    pub ok: Equality<T>,
+    /// For a cached error.
+    pub err: Equality<E>,
+}
+
+impl<T, E> Compare<T, E> {
+    /// By JSON only.
+    pub const JSON: Self = Compare {
+        ok: Equality::JSON,
+        err: Equality::JSON,
+    };
+
+    /// What the attribute's [`Probe`](crate::__private::Probe) found.
+    pub fn new(ok: impl Into<Equality<T>>, err: impl Into<Equality<E>>) -> Self {
+        Compare {
+            ok: ok.into(),
+            err: err.into(),
+        }
+    }
+}
+
+impl<T, E> Clone for Compare<T, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T, E> Copy for Compare<T, E> {}
+
+/// A call and how its outcomes are compared when read back: what [`execute`] and its
+/// kin take. A bare `Result<Call, Error>` converts into one that compares by JSON
+/// only; the attribute passes the tool's `PartialEq` where its types have one.
+pub struct Checked<T, E> {
+    call: Result<Call, Error>,
+    compare: Compare<T, E>,
+}
+
+impl<T, E> Checked<T, E> {
+    /// `call`, its outcomes compared by `compare`.
+    pub fn new(call: Result<Call, Error>, compare: Compare<T, E>) -> Self {
+        Checked { call, compare }
+    }
+}
+
+impl<T, E> From<Result<Call, Error>> for Checked<T, E> {
+    fn from(call: Result<Call, Error>) -> Self {
+        Checked::new(call, Compare::JSON)
+    }
+}
+
+/// A body that can go on in a task of its own after its caller stops waiting: `Send`
+/// and `'static`.
+///
+/// The attribute finishes an async tool whose body owns what it uses when its caller
+/// stops waiting (a timeout, `select!`, an aborted task), so that body must be `Send`. A
+/// compile error naming this bound means the body holds something that is not `Send`
+/// (an `Rc`, a `RefCell` borrow, a `MutexGuard` of `std`) across an `.await`: keep it
+/// out of the `.await`s, or write `on_cancel = "abort"` to settle the call's claim when
+/// its caller stops waiting instead.
+pub trait FinishesAlone: Future + Send + 'static {}
+impl<F: Future + Send + 'static> FinishesAlone for F {}
+
+/// Runs an async operation at most once per key (see the module docs of
+/// `protocol`). If the caller stops waiting (drops this future) while the operation
+/// runs, the operation is dropped with it and its claim is settled at once by the
+/// delivery policy: released (at-least-once) or recorded as outcome-unknown
+/// (at-most-once). For an operation that can run on its own, [`execute_finishing`]
+/// finishes it instead.
+///
+/// Returns `Ok(output)` with the operation's own output (run now or replayed), or an
+/// [`Error`] when idem could not run it safely. `C` is the [`ErrorPolicy`].
+pub async fn execute<R, C, Fut>(
+    call: impl Into<Checked<R::Ok, R::Err>>,
+    operation: Fut,
+) -> Result<R, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    Fut: Future<Output = R>,
+{
+    let Checked { call, compare } = call.into();
+    let call = call?;
+    let span = call.span().clone();
+    async move {
+        let mut hit = None;
+        let acquiring = claim::acquire(&call, call.report(), C::STORED.is_some(), &mut |bytes| {
+            hit = Some(decode::<R, C>(&call.key, bytes, false))
+        });
+        let acquired = acquiring.await?;
+        let (owner, report) = match replay::<R, C>(&call, acquired, hit)? {
+            Acquisition::Replay(output) => return Ok(output),
+            Acquisition::Owner(owner, report) => (owner, report),
+        };
+        let mut output = None;
+        {
+            let body = body::<R, C, Fut>(&call.key, operation, &mut output, compare);
+            let body = std::pin::pin!(Some(body));
+            finish::own(&call, owner, report, body, std::any::type_name::<R::Err>()).await?;
+        }
+        ran(output)
+    }
+    .instrument(span)
+    .await
+}
+
+/// [`execute`] for an operation that can run on its own (`Send + 'static`): if the
+/// caller stops waiting (its own timeout, `select!`, an aborted task, a disconnected
+/// client) while the operation runs, the operation goes on in a tokio task to its end,
+/// its outcome is recorded as usual, and a retry gets that outcome as soon as it is in.
+///
+/// `operation` makes the operation's future; it is called only when this call owns the
+/// key, so a replay makes no copies of what the operation would own.
+///
+/// The task keeps the caller's ambient [`Run`] and `tracing` span; other task-locals of
+/// the caller's are not carried over. It runs on the runtime the call started on, even
+/// if the call is dropped elsewhere; outside any tokio runtime there is nowhere to
+/// finish, and a dropped call is settled as [`execute`] settles it.
+pub async fn execute_finishing<R, C, Fut>(
+    call: impl Into<Checked<R::Ok, R::Err>>,
+    operation: impl FnOnce() -> Fut,
+) -> Result<R, Error>
+where
+    R: ToolOutput + Send + 'static,
+    R::Ok: Send,
+    R::Err: Send,
+    C: ErrorPolicy<R::Err> + 'static,
+    Fut: FinishesAlone<Output = R>,
+{
+    let Checked { call, compare } = call.into();
+    let call = call?;
+    let span = call.span().clone();
+    async move {
+        let mut hit = None;
+        let acquiring = claim::acquire(&call, call.report(), C::STORED.is_some(), &mut |bytes| {
+            hit = Some(decode::<R, C>(&call.key, bytes, false))
+        });
+        let acquired = acquiring.await?;
+        let (owner, report) = match replay::<R, C>(&call, acquired, hit)? {
+            Acquisition::Replay(output) => return Ok(output),
+            Acquisition::Owner(owner, report) => (owner, report),
+        };
+        let body = boxed_body::<R, C, Fut>(call.key.clone(), operation(), compare);
+        let handover = report.handover();
+        let error_type = std::any::type_name::<R::Err>();
+        let output = finish::finishing(call, owner, handover, body, error_type).await?;
+        match output.downcast::<Option<R>>() {
+            Ok(output) => ran(*output),
+            Err(_) => Err(Error::store(
+                "idem",
+                "a body's output is not its tool's type",
+            )),
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Runs a blocking operation at most once per key: [`execute`] for sync tools. Its claim
+/// is renewed by the heartbeat while it runs (a sync body cannot be stopped, so
+/// at `max_run` the renewals stop, and a takeover after the lease fences its result). A
+/// panic in the operation settles the claim by the delivery policy, then goes on.
+///
+/// Store calls block the current thread. The memory and sled stores work anywhere.
+/// The Postgres and Redis stores run on tokio: call sync tools that use them inside
+/// `tokio::task::spawn_blocking`, on a runtime of either flavor. Called on a thread
+/// that drives tokio itself (a current-thread runtime's own thread), their operations
+/// cannot be answered, and return [`Error::Store`] after the store's timeout instead
+/// of blocking forever; with no runtime at all, at once.
+pub fn execute_blocking<R, C, F>(
+    call: impl Into<Checked<R::Ok, R::Err>>,
+    operation: F,
+) -> Result<R, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    F: FnOnce() -> R,
+{
+    let Checked { call, compare } = call.into();
+    let call = call?;
+    let _span = call.span().enter();
+    let _blocking = crate::blocking::InSyncTool::enter();
+    let mut hit = None;
+    let acquired =
+        claim::acquire_blocking(&call, call.report(), C::STORED.is_some(), &mut |bytes| {
+            hit = Some(decode::<R, C>(&call.key, bytes, false))
+        })?;
+    let (owner, report) = match replay::<R, C>(&call, acquired, hit)? {
+        Acquisition::Replay(output) => return Ok(output),
+        Acquisition::Owner(owner, report) => (owner, report),
+    };
+    let mut output = None;
+    let mut operation = Some(operation);
+    let key = &call.key;
+    let body = &mut || {
+        let result = operation.take().map(|operation| operation().into_result());
+        result.map(|result| prepare::<R, C>(key, result, &mut output, compare))
+    };
+    finish::own_blocking(&call, owner, report, body, std::any::type_name::<R::Err>())?;
+    ran(output)
+}
+
+/// What an acquired key gives the caller: the stored outcome, decoded, or the claim
+/// (and the call's report, to go on with).
+enum Acquisition<'a, R> {
+    Replay(R),
+    Owner(Owner, Report<'a>),
+}
+
+/// The caller's answer from an acquired key: a stored outcome, decoded (a `hit` the
+/// store lent, or bytes the claim found) and reported, or the claim.
+fn replay<'a, R, C>(
+    call: &Call,
+    acquired: Acquired<'a>,
+    hit: Option<Result<R, Error>>,
+) -> Result<Acquisition<'a, R>, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+{
+    let (report, decoded) = match acquired {
+        Acquired::Owner(owner, report) => return Ok(Acquisition::Owner(owner, report)),
+        Acquired::Hit(report) => (report, hit.unwrap_or_else(|| Err(lent_nothing()))),
+        Acquired::Stored {
+            report,
+            bytes,
+            failed,
+        } => (report, decode::<R, C>(&call.key, &bytes, failed)),
+    };
+    let failed = decoded.as_ref().map(ToolOutput::failed);
+    replayed(report, failed, std::any::type_name::<R::Err>());
+    decoded.map(Acquisition::Replay)
+}
+
+/// Reports a replay: `Ok(failed)`, a stored outcome (the tool's error, of type
+/// `error_type`, if `failed`), or the error decoding it gave.
+fn replayed(report: Report<'_>, decoded: Result<bool, &Error>, error_type: &'static str) {
+    match decoded {
+        Ok(failed) => report.replayed(failed, error_type),
+        Err(error) => report.refused(error),
+    }
+}
+
+fn lent_nothing() -> Error {
+    Error::store(
+        "idem",
+        "the store answered a hit without lending its result",
+    )
+}
+
+/// The tool's body, made ready for the shared code: runs `operation`, leaves its output
+/// in `output`, and says what the store is to record.
+async fn body<R, C, Fut>(
+    key: &Key,
+    operation: Fut,
+    output: &mut Option<R>,
+    compare: Compare<R::Ok, R::Err>,
+) -> Prepared
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    Fut: Future<Output = R>,
+{
+    let result = operation.await.into_result();
+    prepare::<R, C>(key, result, output, compare)
+}
+
+/// The tool's body, made ready to run on its own: [`body`], boxed, its output handed
+/// back with what the store is to record.
+fn boxed_body<R, C, Fut>(key: Key, operation: Fut, compare: Compare<R::Ok, R::Err>) -> BoxBody
+where
+    R: ToolOutput + Send + 'static,
+    C: ErrorPolicy<R::Err> + 'static,
+    Fut: FinishesAlone<Output = R>,
+{
+    Box::pin(async move {
+        let result = operation.await.into_result();
+        let mut output = None;
+        let prepared = prepare::<R, C>(&key, result, &mut output, compare);
+        let output: Box<dyn Any + Send> = Box::new(output);
+        Ended { prepared, output }
+    })
+}
+
+/// What the store is to record of a body's `result`, which is left in `output`.
+///
+/// The read-back check runs here, where the value is at hand (see `read_back.rs`).
+fn prepare<R, C>(
+    key: &Key,
+    result: Result<R::Ok, R::Err>,
+    output: &mut Option<R>,
+    compare: Compare<R::Ok, R::Err>,
+) -> Prepared
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+{
+    let prepared = match (&result, C::STORED) {
+        (Ok(value), _) => Prepared::record(key, serde_json::to_vec(value), false, |bytes| {
+            read_back::reads_back(bytes, value, compare.ok)
+        }),
+        (Err(error), Some(codec)) => Prepared::record(key, (codec.encode)(error), true, |bytes| {
+            (codec.reads_back)(bytes, error, compare.err)
+        }),
+        (Err(_), None) => Prepared::Release,
+    };
+    *output = Some(R::from_result(result));
+    prepared
+}
+
+/// The output an owner's body left, once its outcome is settled.
+fn ran<R>(output: Option<R>) -> Result<R, Error> {
+    output.ok_or_else(no_output)
+}
+
+#[cold]
+fn no_output() -> Error {
+    Error::store("idem", "the body ended without an output")
+}
+
+/// A stored outcome, decoded for replay: the tool's result, or (`failed`) its cached
+/// error.
+fn decode<R, C>(key: &Key, bytes: &[u8], failed: bool) -> Result<R, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+{
+    let decoded = match (failed, C::STORED) {
+        (false, _) => serde_json::from_slice::<R::Ok>(bytes).map(Ok),
+        (true, Some(codec)) => (codec.decode)(bytes).map(Err),
+        (true, None) => Err(serde::de::Error::custom(
+            "the store answered with a cached error for a tool that caches none",
+        )),
+    };
+    decoded
+        .map(R::from_result)
+        .map_err(|source| Error::StoredResult {
+            key: key.clone(),
+            source,
+        })
+}
+
+/// Converts an idem error into the tool's output (`Err(E::from(error))`); what the
+/// attribute returns when idem could not run the operation safely.
+pub fn from_idem_error<R>(error: Error) -> R
+where
+    R: ToolOutput,
+    R::Err: From<Error>,
+{
+    R::from_result(Err(R::Err::from(error)))
+}
