@@ -4,7 +4,7 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::time::Duration;
 
-use crate::Key;
+use crate::key_text::Key;
 
 /// Everything that can go wrong around an idempotent call.
 ///

@@ -35,13 +35,15 @@ use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
+use crate::background;
+use crate::error::Error;
 use crate::error::Human;
+use crate::key_text::Key;
 use crate::options::Options;
 use crate::record::Token;
 use crate::store::{Fenced, Store};
 use crate::telemetry::{in_span, store_op};
 use crate::timer::{self, Periodic};
-use crate::{background, Error, Key};
 
 /// How soon a renewal is tried again after the store failed to answer one.
 fn retry_after(every: Duration) -> Duration {

@@ -42,8 +42,9 @@ use std::fmt;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::canonical;
+use crate::error::Error;
 pub use crate::key_text::Key;
-use crate::{canonical, Error};
 
 /// The SHA-256 digest of a call: its key parts and the canonical form of an input.
 ///

@@ -9,7 +9,8 @@
 //! | key derivation, canonical input, fingerprint | `key.rs`, `canonical.rs` ([`Key`], [`store::Fingerprint`]) |
 //! | records and their encoding | `record.rs` ([`store::Record`]) |
 //! | the `Store` trait and the claim rule | [`store`] |
-//! | the protocol (claim → run → complete / release) | `protocol.rs` (private; the attribute's way in) |
+//! | the protocol (claim → run → complete / release), compiled once | `protocol/` (private): `call.rs`, `claim.rs`, `finish.rs`, `settle.rs`, and `typed.rs`, the shim a tool's types meet it through |
+//! | idempotency without the attribute: the dynamic API | [`Tool`] (`tool.rs`) |
 //! | per-tool options (TTL, lease, waiting, delivery) | [`Options`] |
 //! | asking downstream what happened to an unknown outcome | `reconcile.rs` ([`Reconciled`]) |
 //! | the run context, `current_key`, the default store | [`Run`], [`current_key`], [`default_store`] |

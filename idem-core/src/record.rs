@@ -46,8 +46,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::error::Error;
 use crate::key::Fingerprint;
-use crate::{Error, Key};
+use crate::key_text::Key;
 
 /// A point in time: milliseconds since the Unix epoch, by the clock of whoever wrote it.
 ///

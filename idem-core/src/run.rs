@@ -6,7 +6,9 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
-use crate::{Error, Key, Store};
+use crate::error::Error;
+use crate::key_text::Key;
+use crate::store::Store;
 
 tokio::task_local! {
     static CURRENT_RUN: Run;

@@ -28,10 +28,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::error::Error;
 pub use crate::key::{Fingerprint, KeyParts};
 pub use crate::key_text::Key;
 pub use crate::record::{Meta, Origin, Record, State, Timestamp, Token, FORMAT_VERSION};
-use crate::Error;
 
 /// What a caller asks for when it claims a key.
 #[derive(Clone, Debug)]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::Store;
+use crate::store::Store;
 
 /// A running sweeper. It stops when this handle is dropped.
 #[derive(Debug)]

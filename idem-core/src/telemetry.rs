@@ -35,8 +35,10 @@ use std::time::Duration;
 use tracing::field::Empty;
 use tracing::Span;
 
+use crate::error::Error;
 use crate::error::Logged;
-use crate::{Error, Key, Run};
+use crate::key_text::Key;
+use crate::run::Run;
 
 /// How idem answered an idempotent call: the `idem.outcome` of its span, and the
 /// `outcome` label of the `idem_calls_total` metric.
@@ -454,6 +456,15 @@ impl<'a> Report<'a> {
             CallOutcome::Replayed
         };
         self.end(outcome, failed.then_some(error_type));
+    }
+
+    /// The call's key held a stored outcome: `Ok(failed)`, decoded (the tool's error,
+    /// of type `error_type`, if `failed`), or the error decoding it gave.
+    pub(crate) fn replay(self, decoded: Result<bool, &Error>, error_type: &'static str) {
+        match decoded {
+            Ok(failed) => self.replayed(failed, error_type),
+            Err(error) => self.refused(error),
+        }
     }
 
     /// The call failed before its body ran.

@@ -24,12 +24,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::error::Error;
+use crate::key_text::Key;
+use crate::options::Options;
 use crate::protocol::{execute, execute_finishing, Call, ReleaseErrors};
+use crate::run::Run;
 use crate::store::{
     Claim, ClaimRequest, Counts, Fenced, Filter, Fingerprint, Origin, Outcome, Record, Resolution,
     State, StateKind, Store, Timestamp, Token,
 };
-use crate::{Error, Key, Options, Run};
 
 /// The lease and TTL the suite lets expire.
 const SHORT: Duration = Duration::from_millis(150);

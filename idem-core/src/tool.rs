@@ -267,7 +267,7 @@ impl<Errors> Tool<Errors> {
         T: Serialize + DeserializeOwned + Send + 'static,
         E: From<Error> + Send + 'static,
         Errors: ErrorPolicy<E> + 'static,
-        B: FnOnce(Key) -> Fut,
+        B: FnOnce(Key) -> Fut + Send,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
     {
         let call = self.prepare(run, input);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use event_listener::{Event, EventListener, Listener};
 
-use crate::Key;
+use crate::key_text::Key;
 
 /// Keys some call in this process is waiting on, each with the event its owner fires.
 static WAITERS: Mutex<Option<HashMap<Key, Arc<Event>>>> = Mutex::new(None);

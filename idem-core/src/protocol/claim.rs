@@ -81,6 +81,38 @@ pub(crate) fn acquire<'a>(
     })
 }
 
+/// The hit path alone (see [`acquire`]): `Ok(Some(report))` when the store lent its
+/// completed result to `hit`, `Ok(None)` when the call must claim its key. An error
+/// is reported here.
+pub(crate) fn look_up<'a>(
+    call: &'a Call,
+    report: Report<'a>,
+    hit: &mut dyn FnMut(&[u8]),
+) -> Result<Result<Report<'a>, Report<'a>>, Error> {
+    let looked = match call.run.store_ref() {
+        Ok(store) => lookup(call, &**store, hit),
+        Err(error) => Err(error),
+    };
+    match looked {
+        Ok(true) => Ok(Ok(report)),
+        Ok(false) => Ok(Err(report)),
+        Err(error) => refused(report, error),
+    }
+}
+
+/// The claim of [`acquire`], for a call whose hit path found nothing.
+pub(crate) async fn claim_key<'a>(
+    call: &'a Call,
+    report: Report<'a>,
+    caches_errors: bool,
+) -> Result<Acquired<'a>, Error> {
+    let store = match call.run.store_ref() {
+        Ok(store) => store,
+        Err(error) => return refused(report, error),
+    };
+    claimed::<AsyncPause>(call, store, report, caches_errors).await
+}
+
 /// [`acquire`] for a sync tool, whose waits block its thread.
 pub(crate) fn acquire_blocking<'a>(
     call: &'a Call,

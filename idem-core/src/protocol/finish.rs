@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use tracing::Instrument;
 
 use super::call::Call;
-use super::claim::Owner;
+use super::claim::{self, Acquired, Owner};
 use super::settle::{lost_lease, Settle, Settlement, Settling};
 use crate::background;
 use crate::error::{Error, Human, Logged};
@@ -205,6 +205,64 @@ impl<F: Future + Unpin> Future for CatchUnwind<F> {
 pub(crate) struct Ended {
     pub(crate) prepared: Prepared,
     pub(crate) output: Box<dyn Any + Send>,
+}
+
+/// What a tool's types give the shared code of a call whose body can run on its own
+/// ([`miss`]): decoding a stored outcome, making the body, and taking back its output.
+/// The typed shim implements it for each tool; the rest is compiled once.
+pub(crate) trait Glue: Send {
+    /// Decodes a stored outcome (the result, or with `failed` a cached error) into the
+    /// call's output: whether that output is the tool's error.
+    fn decode(&mut self, key: &Key, bytes: &[u8], failed: bool) -> Result<bool, Error>;
+    /// The body, boxed; `None` if asked twice.
+    fn body(&mut self, key: &Key) -> Option<BoxBody>;
+    /// Takes back the output of the body it made.
+    fn output(&mut self, output: Box<dyn Any + Send>) -> Result<(), Error>;
+}
+
+/// A call whose hit path found nothing, whose body can run on its own: claims the key
+/// (waiting for another call that holds it), then replays what the claim found, or runs
+/// the body ([`finishing`]). Boxed, and not generic: the future of every tool's call
+/// holds a pointer to it. Its outcome goes into `glue`.
+pub(crate) fn miss<'a>(
+    call: Call,
+    handover: Handover,
+    caches_errors: bool,
+    error_type: &'static str,
+    glue: &'a mut dyn Glue,
+) -> Pin<Box<dyn Future<Output = Result<(), Error>> + Send + 'a>> {
+    let span = call.span().clone();
+    Box::pin(
+        async move {
+            let report = call.resume(handover);
+            let (owner, report) = match claim::claim_key(&call, report, caches_errors).await? {
+                Acquired::Owner(owner, report) => (owner, report),
+                Acquired::Stored {
+                    report,
+                    bytes,
+                    failed,
+                } => {
+                    let decoded = glue.decode(&call.key, &bytes, failed);
+                    report.replay(decoded.as_ref().copied(), error_type);
+                    return decoded.map(drop);
+                }
+                Acquired::Hit(report) => {
+                    let error = Error::store("idem", "a claim answered as a hit");
+                    report.refused(&error);
+                    return Err(error);
+                }
+            };
+            let Some(body) = glue.body(&call.key) else {
+                let error = Error::store("idem", "a body was asked for twice");
+                report.refused(&error);
+                return Err(error);
+            };
+            let handover = report.handover();
+            let output = finishing(call, owner, handover, body, error_type).await?;
+            glue.output(output)
+        }
+        .instrument(span),
+    )
 }
 
 /// A body that can run on its own, type-erased: what [`finishing`] runs.

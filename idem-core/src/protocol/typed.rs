@@ -306,7 +306,7 @@ where
 /// finish, and a dropped call is settled as [`execute`] settles it.
 pub async fn execute_finishing<R, C, Fut>(
     call: impl Into<Checked<R::Ok, R::Err>>,
-    operation: impl FnOnce() -> Fut,
+    operation: impl FnOnce() -> Fut + Send,
 ) -> Result<R, Error>
 where
     R: ToolOutput + Send + 'static,
@@ -317,31 +317,85 @@ where
 {
     let Checked { call, compare } = call.into();
     let call = call?;
-    let span = call.span().clone();
-    async move {
+    // The hit path, in the call's span; the miss enters it on its own.
+    let handover = {
+        let _in_span = call.span().enter();
         let mut hit = None;
-        let acquiring = claim::acquire(&call, call.report(), C::STORED.is_some(), &mut |bytes| {
+        let looked = claim::look_up(&call, call.report(), &mut |bytes| {
             hit = Some(decode::<R, C>(&call.key, bytes, false))
-        });
-        let acquired = acquiring.await?;
-        let (owner, report) = match replay::<R, C>(&call, acquired, hit)? {
-            Acquisition::Replay(output) => return Ok(output),
-            Acquisition::Owner(owner, report) => (owner, report),
-        };
-        let body = boxed_body::<R, C, Fut>(call.key.clone(), operation(), compare);
-        let handover = report.handover();
-        let error_type = std::any::type_name::<R::Err>();
-        let output = finish::finishing(call, owner, handover, body, error_type).await?;
+        })?;
+        match looked {
+            Ok(report) => return replay_hit(report, hit),
+            Err(report) => report.handover(),
+        }
+    };
+    let mut glue = Finishes::<R, C, _> {
+        operation: Some(operation),
+        compare,
+        output: None,
+        policy: std::marker::PhantomData,
+    };
+    let error_type = std::any::type_name::<R::Err>();
+    finish::miss(call, handover, C::STORED.is_some(), error_type, &mut glue).await?;
+    ran(glue.output)
+}
+
+/// A stored result the store lent on the hit path, decoded, reported.
+fn replay_hit<R: ToolOutput>(
+    report: Report<'_>,
+    hit: Option<Result<R, Error>>,
+) -> Result<R, Error> {
+    let decoded = hit.unwrap_or_else(|| Err(lent_nothing()));
+    let failed = decoded.as_ref().map(ToolOutput::failed);
+    report.replay(failed, std::any::type_name::<R::Err>());
+    decoded
+}
+
+/// A tool's part of a call of [`execute_finishing`] (see [`Glue`](finish::Glue)).
+struct Finishes<R: ToolOutput, C, Op> {
+    operation: Option<Op>,
+    compare: Compare<R::Ok, R::Err>,
+    output: Option<R>,
+    policy: std::marker::PhantomData<fn() -> C>,
+}
+
+impl<R, C, Op, Fut> finish::Glue for Finishes<R, C, Op>
+where
+    R: ToolOutput + Send + 'static,
+    R::Ok: Send,
+    R::Err: Send,
+    C: ErrorPolicy<R::Err> + 'static,
+    Op: FnOnce() -> Fut + Send,
+    Fut: FinishesAlone<Output = R>,
+{
+    fn decode(&mut self, key: &Key, bytes: &[u8], failed: bool) -> Result<bool, Error> {
+        let output = decode::<R, C>(key, bytes, failed)?;
+        let failed = output.failed();
+        self.output = Some(output);
+        Ok(failed)
+    }
+
+    fn body(&mut self, key: &Key) -> Option<BoxBody> {
+        let operation = self.operation.take()?;
+        Some(boxed_body::<R, C, Fut>(
+            key.clone(),
+            operation(),
+            self.compare,
+        ))
+    }
+
+    fn output(&mut self, output: Box<dyn Any + Send>) -> Result<(), Error> {
         match output.downcast::<Option<R>>() {
-            Ok(output) => ran(*output),
+            Ok(output) => {
+                self.output = *output;
+                Ok(())
+            }
             Err(_) => Err(Error::store(
                 "idem",
                 "a body's output is not its tool's type",
             )),
         }
     }
-    .instrument(span)
-    .await
 }
 
 /// Runs a blocking operation at most once per key: [`execute`] for sync tools. Its claim
@@ -416,19 +470,11 @@ where
         } => (report, decode::<R, C>(&call.key, &bytes, failed)),
     };
     let failed = decoded.as_ref().map(ToolOutput::failed);
-    replayed(report, failed, std::any::type_name::<R::Err>());
+    report.replay(failed, std::any::type_name::<R::Err>());
     decoded.map(Acquisition::Replay)
 }
 
-/// Reports a replay: `Ok(failed)`, a stored outcome (the tool's error, of type
-/// `error_type`, if `failed`), or the error decoding it gave.
-fn replayed(report: Report<'_>, decoded: Result<bool, &Error>, error_type: &'static str) {
-    match decoded {
-        Ok(failed) => report.replayed(failed, error_type),
-        Err(error) => report.refused(error),
-    }
-}
-
+#[cold]
 fn lent_nothing() -> Error {
     Error::store(
         "idem",

@@ -7,12 +7,13 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
+use crate::error::Error;
 use crate::key::Fingerprint;
+use crate::key_text::Key;
 use crate::record::{Record, Token};
 use crate::store::{
     Claim, ClaimRequest, Counts, Cursor, Fenced, Filter, Outcome, Page, Resolution, Store,
 };
-use crate::{Error, Key};
 
 /// How long a result is kept by default.
 pub(crate) const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);

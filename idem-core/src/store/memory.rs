@@ -7,14 +7,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::error::Error;
 use crate::key::Fingerprint;
+use crate::key_text::Key;
 use crate::record::{Record, State, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, decide_resolution, is_replayable, page_by_key, Claim,
     ClaimRequest, Counts, Cursor, Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind,
     Store,
 };
-use crate::{blocking, sync, Error, Key};
+use crate::{blocking, sync};
 
 /// How many maps a [`MemoryStore`] spreads its records over, each behind its own lock.
 /// A purge locks one map at a time, so a call waits at most for one map's share of the

@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
+use crate::error::Error;
 use crate::error::Fault;
 use crate::record::Timestamp;
 use crate::store::{Claim, Fenced};
-use crate::Error;
 
 /// An error if there is no tokio runtime here: the network stores' connections live on
 /// one, and waiting for one would never end.

@@ -8,14 +8,15 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
+use crate::error::Error;
 use crate::key::Fingerprint;
+use crate::key_text::Key;
 use crate::record::{Meta, Origin, Record, State, Timestamp, Token};
 use crate::store::net::{self, fenced, in_local_clock};
 use crate::store::{
     decide_claim, Claim, ClaimRequest, Counts, Cursor, Fenced, Filter, Listed, Outcome, Page,
     Resolution, StateKind, Store, Unreadable,
 };
-use crate::{Error, Key};
 
 const STORE: &str = "postgres";
 

@@ -8,7 +8,9 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
+use crate::error::Error;
 use crate::key::Fingerprint;
+use crate::key_text::Key;
 use crate::record::{
     millis, Meta, Record, State, Timestamp, Token, CLAIMED_AT, COMPLETED_AT, FINGERPRINT_AT,
     HEADER, IN_PROGRESS_TAG, TOKEN_AT,
@@ -18,7 +20,6 @@ use crate::store::{
     decide_claim, decide_resolution, Claim, ClaimRequest, Cursor, Fenced, Filter, Listed, Outcome,
     Page, Resolution, StateKind, Store, Unreadable, WALK_PAGE,
 };
-use crate::{Error, Key};
 
 const STORE: &str = "redis";
 

@@ -9,14 +9,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::blocking;
+use crate::error::Error;
 use crate::error::Fault;
 use crate::key::Fingerprint;
+use crate::key_text::Key;
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{
     decide_claim, decide_fenced, decide_resolution, page_by_key, Claim, ClaimRequest, Cursor,
     Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind, Store, WALK_PAGE,
 };
-use crate::{blocking, Error, Key};
 
 /// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
 ///
