@@ -457,3 +457,36 @@ async fn a_reconcile_hook_settles_an_abandoned_claim_with_what_happened_downstre
     assert_eq!(retry, json!({ "charge": format!("ch-{key}") }));
     assert_eq!((charged.count(), asked.count()), (1, 1));
 }
+
+#[tokio::test]
+async fn a_reconcile_answer_that_does_not_read_as_the_result_type_stays_unknown() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let run = run(&store);
+    let tool = Tool::new("typed_charge")
+        .lease(Duration::from_secs(60))
+        .on_cancel(OnCancel::Abort)
+        .reconcile(|_, _| async { Reconciled::Happened(json!(1)) });
+    let input = json!({ "cents": 500 });
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(50),
+        tool.call(&run, &input, |_| async {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            Ok::<String, Error>("never returned".into())
+        }),
+    )
+    .await;
+    assert!(dropped.is_err());
+    let retry: Result<String, Error> = tool
+        .call(&run, &input, |_| async { Ok("charged twice".into()) })
+        .await;
+    assert!(
+        matches!(retry, Err(Error::OutcomeUnknown { .. })),
+        "{retry:?}"
+    );
+    let key = tool.key_of(&run, &input).unwrap();
+    let record = store.get(&key).await.unwrap().expect("the abandoned claim");
+    assert!(
+        !matches!(record.state, State::Completed { .. }),
+        "{record:?}"
+    );
+}

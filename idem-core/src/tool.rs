@@ -274,8 +274,19 @@ impl<Errors> Tool<Errors> {
         if let (Some(hook), Ok(_)) = (&self.reconcile, &call) {
             // The hook gets the input as JSON; one that serialized for its key does.
             let input = serde_json::to_value(input).unwrap_or(Value::Null);
+            let tool = &*self.name;
             reconcile(&call, Equality::<Value>::JSON, |key| {
-                hook(key, input.clone())
+                let answer = hook(key, input.clone());
+                async move {
+                    match answer.await {
+                        // Stored, it would answer every retry with an error for the TTL.
+                        Reconciled::Happened(value) if T::deserialize(&value).is_err() => {
+                            tracing::warn!(%tool, "idem: the reconcile hook's value does not read as the tool's result type; the outcome stays unknown");
+                            Reconciled::Unknown
+                        }
+                        answer => answer,
+                    }
+                }
             })
             .await;
         }
