@@ -7,14 +7,16 @@
 //! (those are the defaults; `--idem DIR` measures the idem checkout in `DIR` instead of
 //! this one).
 //!
-//! Generates three crates of the same `--tools` async tools under
+//! Generates four crates of the same `--tools` async tools under
 //! `target/compile-cost/`, each tool with its own input and output structs and called
 //! once in one run, and builds each in release:
 //!
 //! - `plain`: the tools with no attribute;
 //! - `floor`: each tool serializes its input and round-trips its output through
 //!   serde_json by hand, the per-type code idem cannot avoid;
-//! - `idem`: each tool is `#[idempotent(ttl = "24h")]`, run on a `MemoryStore`.
+//! - `idem`: each tool is `#[idempotent(ttl = "24h")]`, run on a `MemoryStore`;
+//! - `idem-one`: `plain` with its first tool idempotent, which tells what idem's
+//!   runtime adds once from what each tool adds.
 //!
 //! The crates share one target directory, so their dependencies (idem among them) are
 //! built once, first. Then, `--rounds` times and crate after crate, `src/main.rs` is
