@@ -214,7 +214,7 @@ async fn ask<T>(
 pub const RECONCILE_ROUNDS: usize = 20;
 
 /// Before an at-most-once call: settles an abandoned claim of it by what `hook` finds
-/// out downstream (see the module docs), in at most [`RECONCILE_ROUNDS`] rounds. The
+/// out downstream (see the module docs), in at most `RECONCILE_ROUNDS` (20) rounds. The
 /// call then runs as usual, and finds what is there now.
 ///
 /// `hook` gets the call's key; `eq` compares a value it answers with what its JSON
