@@ -5,6 +5,7 @@
 //! abandoned at-most-once claim settled by a reconcile hook. Each test counts how often
 //! the side effect really ran and what each caller got.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,6 +49,29 @@ fn email() -> SendEmail {
 
 fn run(store: &Arc<dyn Store>) -> Run {
     Run::new("agent-run").with_shared_store(Arc::clone(store))
+}
+
+/// Drops `call` once its body has run its side effect (`sent` went past `before`): a
+/// caller that gives up mid-body, however slowly a busy machine runs it.
+async fn drop_once_started(call: impl Future, sent: &Sent, before: usize) {
+    let mut call = std::pin::pin!(call);
+    loop {
+        tokio::select! {
+            _ = &mut call => panic!("the call ended before its caller gave up"),
+            _ = tokio::time::sleep(Duration::from_millis(5)) => {
+                if sent.count() > before {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Waits until `sent` went past `before`.
+async fn started(sent: &Sent, before: usize) {
+    while sent.count() <= before {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 static ATTRIBUTE_SENT: AtomicUsize = AtomicUsize::new(0);
@@ -203,12 +227,7 @@ async fn a_call_its_caller_stops_waiting_for_finishes_and_the_retry_gets_its_res
             Ok::<_, Error>(json!(n))
         }
     };
-    let first = tokio::time::timeout(
-        Duration::from_millis(100),
-        tool.call(&run, &json!({}), body(sent.clone())),
-    )
-    .await;
-    assert!(first.is_err(), "the caller gave up");
+    drop_once_started(tool.call(&run, &json!({}), body(sent.clone())), &sent, 0).await;
     let started = std::time::Instant::now();
     let retry: Value = tool
         .call(&run, &json!({}), body(sent.clone()))
@@ -226,12 +245,12 @@ async fn a_call_its_caller_stops_waiting_for_finishes_and_the_retry_gets_its_res
         .lease(Duration::from_secs(60))
         .on_cancel(OnCancel::Abort);
     let aborted = Sent::default();
-    let first = tokio::time::timeout(
-        Duration::from_millis(100),
+    drop_once_started(
         abort.call(&run, &json!({}), body(aborted.clone())),
+        &aborted,
+        0,
     )
     .await;
-    assert!(first.is_err());
     let retry: Value = abort
         .call(&run, &json!({}), body(aborted.clone()))
         .await
@@ -244,12 +263,7 @@ async fn a_call_its_caller_stops_waiting_for_finishes_and_the_retry_gets_its_res
         .on_cancel(OnCancel::Abort)
         .at_most_once();
     let paid = Sent::default();
-    let first = tokio::time::timeout(
-        Duration::from_millis(100),
-        once.call(&run, &json!({}), body(paid.clone())),
-    )
-    .await;
-    assert!(first.is_err());
+    drop_once_started(once.call(&run, &json!({}), body(paid.clone())), &paid, 0).await;
     let retry: Result<Value, Error> = once.call(&run, &json!({}), body(paid.clone())).await;
     assert!(
         matches!(retry, Err(Error::OutcomeUnknown { .. })),
@@ -353,17 +367,19 @@ async fn concurrent_duplicates_run_once_and_fail_fast_says_in_progress() {
     assert_eq!(sent.count(), 1);
 
     let fast = Tool::new("fast").fail_fast();
+    let holder = Sent::default();
     let holding = tokio::spawn({
-        let (fast, run) = (fast.clone(), run.clone());
+        let (fast, run, holder) = (fast.clone(), run.clone(), holder.clone());
         async move {
-            fast.call(&run, &json!(1), |_| async {
+            fast.call(&run, &json!(1), move |_| async move {
+                holder.send();
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 Ok::<_, Error>(json!("done"))
             })
             .await
         }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    started(&holder, 0).await;
     let busy: Result<Value, Error> = fast
         .call(&run, &json!(1), |_| async { Ok(json!("2")) })
         .await;
@@ -434,19 +450,15 @@ async fn a_reconcile_hook_settles_an_abandoned_claim_with_what_happened_downstre
     let input = json!({ "cents": 500 });
     // The first call is dropped after the charge went out: its outcome is unknown.
     let charged = Sent::default();
-    let dropped = tokio::time::timeout(
-        Duration::from_millis(100),
-        tool.call(&run, &input, {
-            let charged = charged.clone();
-            move |_| async move {
-                charged.send();
-                tokio::time::sleep(Duration::from_secs(10)).await;
-                Ok::<_, Error>(json!("never returned"))
-            }
-        }),
-    )
-    .await;
-    assert!(dropped.is_err());
+    let call = tool.call(&run, &input, {
+        let charged = charged.clone();
+        move |_| async move {
+            charged.send();
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            Ok::<_, Error>(json!("never returned"))
+        }
+    });
+    drop_once_started(call, &charged, 0).await;
     let key = tool.key_of(&run, &input).unwrap();
     let retry: Value = tool
         .call(&run, &input, |_| async {
@@ -467,15 +479,16 @@ async fn a_reconcile_answer_that_does_not_read_as_the_result_type_stays_unknown(
         .on_cancel(OnCancel::Abort)
         .reconcile(|_, _| async { Reconciled::Happened(json!(1)) });
     let input = json!({ "cents": 500 });
-    let dropped = tokio::time::timeout(
-        Duration::from_millis(50),
-        tool.call(&run, &input, |_| async {
+    let charged = Sent::default();
+    let call = tool.call(&run, &input, {
+        let charged = charged.clone();
+        move |_| async move {
+            charged.send();
             tokio::time::sleep(Duration::from_secs(10)).await;
             Ok::<String, Error>("never returned".into())
-        }),
-    )
-    .await;
-    assert!(dropped.is_err());
+        }
+    });
+    drop_once_started(call, &charged, 0).await;
     let retry: Result<String, Error> = tool
         .call(&run, &input, |_| async { Ok("charged twice".into()) })
         .await;

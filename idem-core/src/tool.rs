@@ -313,17 +313,10 @@ impl<Errors> Tool<Errors> {
     fn prepare<I: Serialize + ?Sized>(&self, run: &Run, input: &I) -> Result<Call, Error> {
         let (name, options) = (&*self.name, self.options);
         let scope = self.scope.as_deref();
-        let args_with_scope: [&dyn KeyInput; 2];
-        let args_alone: [&dyn KeyInput; 1];
+        let arg: &dyn KeyInput = &input;
         let args: &[&dyn KeyInput] = match scope {
-            Some(scope) => {
-                args_with_scope = [&input, scope];
-                &args_with_scope
-            }
-            None => {
-                args_alone = [&input];
-                &args_alone
-            }
+            Some(scope) => &[arg, scope],
+            None => &[arg],
         };
         let Some(pointers) = &self.key else {
             return Call::from_args(Some(run), name, options, args, None);

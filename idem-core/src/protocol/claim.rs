@@ -71,31 +71,40 @@ pub(crate) fn acquire<'a>(
     caches_errors: bool,
     hit: &mut dyn FnMut(&[u8]),
 ) -> Acquiring<'a> {
-    Acquiring(match call.run.store_ref() {
-        Ok(store) => match lookup(call, &**store, hit) {
-            Ok(true) => Step::Done(Some(Ok(Acquired::Hit(report)))),
-            Ok(false) => Step::Claim(Box::pin(claim_async(call, store, report, caches_errors))),
-            Err(error) => Step::Done(Some(refused(report, error))),
-        },
-        Err(error) => Step::Done(Some(refused(report, error))),
+    Acquiring(match look_up(call, report, hit) {
+        Ok(Looked::Hit(report)) => Step::Done(Some(Ok(Acquired::Hit(report)))),
+        Ok(Looked::Miss(store, report)) => Step::Claim(Box::pin(claimed::<AsyncPause>(
+            call,
+            store,
+            report,
+            caches_errors,
+        ))),
+        Err(error) => Step::Done(Some(Err(error))),
     })
 }
 
-/// The hit path alone (see [`acquire`]): `Ok(Some(report))` when the store lent its
-/// completed result to `hit`, `Ok(None)` when the call must claim its key. An error
-/// is reported here.
+/// What the hit path found (see [`look_up`]).
+pub(crate) enum Looked<'a> {
+    /// The store lent its completed result to the decoder.
+    Hit(Report<'a>),
+    /// Nothing to replay at once: the call claims its key, in this store.
+    Miss(Cow<'a, Arc<dyn Store>>, Report<'a>),
+}
+
+/// The hit path alone (see [`acquire`]), which runs in line, before anything is
+/// awaited. An error is reported here.
 pub(crate) fn look_up<'a>(
     call: &'a Call,
     report: Report<'a>,
     hit: &mut dyn FnMut(&[u8]),
-) -> Result<Result<Report<'a>, Report<'a>>, Error> {
-    let looked = match call.run.store_ref() {
-        Ok(store) => lookup(call, &**store, hit),
-        Err(error) => Err(error),
+) -> Result<Looked<'a>, Error> {
+    let store = match call.run.store_ref() {
+        Ok(store) => store,
+        Err(error) => return refused(report, error),
     };
-    match looked {
-        Ok(true) => Ok(Ok(report)),
-        Ok(false) => Ok(Err(report)),
+    match lookup(call, &**store, hit) {
+        Ok(true) => Ok(Looked::Hit(report)),
+        Ok(false) => Ok(Looked::Miss(store, report)),
         Err(error) => refused(report, error),
     }
 }
@@ -120,15 +129,11 @@ pub(crate) fn acquire_blocking<'a>(
     caches_errors: bool,
     hit: &mut dyn FnMut(&[u8]),
 ) -> Result<Acquired<'a>, Error> {
-    match call.run.store_ref() {
-        Ok(store) => match lookup(call, &**store, hit) {
-            Ok(true) => Ok(Acquired::Hit(report)),
-            Ok(false) => {
-                pollster::block_on(claimed::<BlockingPause>(call, store, report, caches_errors))
-            }
-            Err(error) => refused(report, error),
-        },
-        Err(error) => refused(report, error),
+    match look_up(call, report, hit)? {
+        Looked::Hit(report) => Ok(Acquired::Hit(report)),
+        Looked::Miss(store, report) => {
+            pollster::block_on(claimed::<BlockingPause>(call, store, report, caches_errors))
+        }
     }
 }
 
@@ -154,16 +159,6 @@ impl<'a> Future for Acquiring<'a> {
             Step::Claim(claim) => claim.as_mut().poll(cx),
         }
     }
-}
-
-/// The async claim of [`acquire`].
-fn claim_async<'a>(
-    call: &'a Call,
-    store: Cow<'a, Arc<dyn Store>>,
-    report: Report<'a>,
-    caches_errors: bool,
-) -> impl Future<Output = Result<Acquired<'a>, Error>> + Send + 'a {
-    claimed::<AsyncPause>(call, store, report, caches_errors)
 }
 
 /// Claims the key (see [`claim`]), and says what the claim found.

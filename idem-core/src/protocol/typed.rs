@@ -325,8 +325,9 @@ where
             hit = Some(decode::<R, C>(&call.key, bytes, false))
         })?;
         match looked {
-            Ok(report) => return replay_hit(report, hit),
-            Err(report) => report.handover(),
+            claim::Looked::Hit(report) => return replay_hit(report, hit),
+            // The miss finds its store again, inside its box.
+            claim::Looked::Miss(_, report) => report.handover(),
         }
     };
     let mut glue = Finishes::<R, C, _> {
@@ -338,17 +339,6 @@ where
     let error_type = std::any::type_name::<R::Err>();
     finish::miss(call, handover, C::STORED.is_some(), error_type, &mut glue).await?;
     ran(glue.output)
-}
-
-/// A stored result the store lent on the hit path, decoded, reported.
-fn replay_hit<R: ToolOutput>(
-    report: Report<'_>,
-    hit: Option<Result<R, Error>>,
-) -> Result<R, Error> {
-    let decoded = hit.unwrap_or_else(|| Err(lent_nothing()));
-    let failed = decoded.as_ref().map(ToolOutput::failed);
-    report.replay(failed, std::any::type_name::<R::Err>());
-    decoded
 }
 
 /// A tool's part of a call of [`execute_finishing`] (see [`Glue`](finish::Glue)).
@@ -460,18 +450,31 @@ where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
 {
-    let (report, decoded) = match acquired {
+    let replayed = match acquired {
         Acquired::Owner(owner, report) => return Ok(Acquisition::Owner(owner, report)),
-        Acquired::Hit(report) => (report, hit.unwrap_or_else(|| Err(lent_nothing()))),
+        Acquired::Hit(report) => replay_hit(report, hit),
         Acquired::Stored {
             report,
             bytes,
             failed,
-        } => (report, decode::<R, C>(&call.key, &bytes, failed)),
+        } => replayed(report, decode::<R, C>(&call.key, &bytes, failed)),
     };
+    replayed.map(Acquisition::Replay)
+}
+
+/// A stored result the store lent on the hit path, decoded, reported.
+fn replay_hit<R: ToolOutput>(
+    report: Report<'_>,
+    hit: Option<Result<R, Error>>,
+) -> Result<R, Error> {
+    replayed(report, hit.unwrap_or_else(|| Err(lent_nothing())))
+}
+
+/// A stored outcome, decoded (or the error decoding it gave), reported.
+fn replayed<R: ToolOutput>(report: Report<'_>, decoded: Result<R, Error>) -> Result<R, Error> {
     let failed = decoded.as_ref().map(ToolOutput::failed);
     report.replay(failed, std::any::type_name::<R::Err>());
-    decoded.map(Acquisition::Replay)
+    decoded
 }
 
 #[cold]
