@@ -44,14 +44,38 @@ thread_local! {
 
 /// Writes `value` canonically at the end of `out`.
 pub(crate) fn write<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result<(), Error> {
+    with_scratch(&mut Writing { out, value })
+}
+
+/// A value to write, and where: what [`with_scratch`] runs, through a trait of one
+/// method so that each type's part is one function.
+struct Writing<'a, T: ?Sized> {
+    out: &'a mut Vec<u8>,
+    value: &'a T,
+}
+
+trait WriteWith {
+    fn write_with(&mut self, scratch: &mut Scratch) -> Result<(), Error>;
+}
+
+impl<T: Serialize + ?Sized> WriteWith for Writing<'_, T> {
+    fn write_with(&mut self, scratch: &mut Scratch) -> Result<(), Error> {
+        self.value.serialize(Canonical {
+            out: &mut *self.out,
+            scratch,
+            depth: 0,
+        })
+    }
+}
+
+/// Runs `writing` with this thread's scratch buffers (fresh ones if they are in use: a
+/// `Serialize` impl that writes canonical JSON itself). Not generic: one copy serves
+/// every input type.
+fn with_scratch(writing: &mut dyn WriteWith) -> Result<(), Error> {
     let mut run = |scratch: &mut Scratch| {
         // A write that failed half-way may have left entries behind.
         scratch.entries.clear();
-        let written = value.serialize(Canonical {
-            out: &mut *out,
-            scratch: &mut *scratch,
-            depth: 0,
-        });
+        let written = writing.write_with(scratch);
         if scratch.tail.capacity() > SCRATCH_KEEP {
             scratch.tail = Vec::new();
         }
@@ -59,7 +83,6 @@ pub(crate) fn write<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Resu
     };
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
         Ok(mut scratch) => run(&mut scratch),
-        // A `Serialize` impl that writes canonical JSON itself: use fresh buffers.
         Err(_) => run(&mut Scratch {
             entries: Vec::new(),
             tail: Vec::new(),

@@ -87,8 +87,8 @@ pub mod __private {
     pub use crate::key::{default_tool_name, KeyInput, Sorted};
     pub use crate::protocol::{
         execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Call, Checked,
-        Compare, ErrorCodec, ErrorPolicy, FinishesAlone, ReleaseErrors, Replayable, RunArgument,
-        RunSource, ToolOutput,
+        Compare, ErrorCodec, ErrorPolicy, Execution, FinishesAlone, ReleaseErrors, Replayable,
+        RunArgument, RunSource, ToolOutput,
     };
     pub use crate::read_back::{
         Equality, ErrByJson, ErrByPartialEq, JsonOnly, OkByJson, OkByPartialEq, Probe,

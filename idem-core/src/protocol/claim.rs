@@ -69,7 +69,7 @@ pub(crate) fn acquire<'a>(
     call: &'a Call,
     report: Report<'a>,
     caches_errors: bool,
-    hit: &mut dyn FnMut(&[u8]),
+    hit: &mut dyn Lend,
 ) -> Acquiring<'a> {
     Acquiring(match look_up(call, report, hit) {
         Ok(Looked::Hit(report)) => Step::Done(Some(Ok(Acquired::Hit(report)))),
@@ -81,6 +81,13 @@ pub(crate) fn acquire<'a>(
         ))),
         Err(error) => Step::Done(Some(Err(error))),
     })
+}
+
+/// Where a store lends a completed result on the hit path: the tool's decoder. A trait
+/// of one method, so each tool's decoder is one function, not a closure's shims.
+pub(crate) trait Lend {
+    /// Decodes the result the store lends for `key`.
+    fn lend(&mut self, key: &Key, bytes: &[u8]);
 }
 
 /// What the hit path found (see [`look_up`]).
@@ -96,7 +103,7 @@ pub(crate) enum Looked<'a> {
 pub(crate) fn look_up<'a>(
     call: &'a Call,
     report: Report<'a>,
-    hit: &mut dyn FnMut(&[u8]),
+    hit: &mut dyn Lend,
 ) -> Result<Looked<'a>, Error> {
     let store = match call.run.store_ref() {
         Ok(store) => store,
@@ -127,7 +134,7 @@ pub(crate) fn acquire_blocking<'a>(
     call: &'a Call,
     report: Report<'a>,
     caches_errors: bool,
-    hit: &mut dyn FnMut(&[u8]),
+    hit: &mut dyn Lend,
 ) -> Result<Acquired<'a>, Error> {
     match look_up(call, report, hit)? {
         Looked::Hit(report) => Ok(Acquired::Hit(report)),
@@ -188,12 +195,12 @@ fn refused<T>(report: Report<'_>, error: Error) -> Result<T, Error> {
 /// The store's lookup on the hit path, lending a stored result to `replay`: whether it
 /// did. A panic in it (the store's code, or the result's `Deserialize`) is the store's
 /// failure, never the caller's panic.
-fn lookup(call: &Call, store: &dyn Store, replay: &mut dyn FnMut(&[u8])) -> Result<bool, Error> {
+fn lookup(call: &Call, store: &dyn Store, replay: &mut dyn Lend) -> Result<bool, Error> {
     let mut replayed = false;
     let looked_up = panic::catch_unwind(AssertUnwindSafe(|| {
         store.with_completed_result(&call.key, &call.fingerprint, &mut |bytes| {
             replayed = true;
-            replay(bytes);
+            replay.lend(&call.key, bytes);
         })
     }));
     if looked_up.is_err() {

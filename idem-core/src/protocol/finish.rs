@@ -208,29 +208,93 @@ pub(crate) struct Ended {
 }
 
 /// What a tool's types give the shared code of a call whose body can run on its own
-/// ([`miss`]): decoding a stored outcome, making the body, and taking back its output.
-/// The typed shim implements it for each tool; the rest is compiled once.
+/// ([`miss`]): decoding a stored outcome and making the body. The typed shim implements
+/// it for each tool; the rest is compiled once.
 pub(crate) trait Glue: Send {
     /// Decodes a stored outcome (the result, or with `failed` a cached error) into the
-    /// call's output: whether that output is the tool's error.
-    fn decode(&mut self, key: &Key, bytes: &[u8], failed: bool) -> Result<bool, Error>;
+    /// call's output.
+    fn decode(&self, key: &Key, bytes: &[u8], failed: bool) -> Result<Output, Error>;
     /// The body, boxed; `None` if asked twice.
     fn body(&mut self, key: &Key) -> Option<BoxBody>;
-    /// Takes back the output of the body it made.
-    fn output(&mut self, output: Box<dyn Any + Send>) -> Result<(), Error>;
+}
+
+/// A call's output, boxed (its type is the tool's), and whether it is the tool's error.
+pub(crate) type Output = (Box<dyn Any + Send>, bool);
+
+/// The future of a [`miss`]: the call's output, boxed.
+pub(crate) type Missed<'a> =
+    Pin<Box<dyn Future<Output = Result<Box<dyn Any + Send>, Error>> + Send + 'a>>;
+
+/// A tool's part of the start of a call whose body can run on its own ([`start`]): its
+/// decoder on the hit path (see [`Lend`](claim::Lend)), where the answer is kept, and
+/// the [`Glue`] of its miss.
+pub(crate) trait Start<'a>: claim::Lend {
+    /// Keeps `error` as the call's answer.
+    fn fail(&mut self, error: Error);
+    /// The answer kept (`Ok(failed)`: whether it is the tool's error), if any.
+    fn answered(&self) -> Option<Result<bool, &Error>>;
+    /// The glue of the miss; `None` if asked twice.
+    fn glue(&mut self) -> Option<Box<dyn Glue + 'a>>;
+}
+
+/// Starts a call whose body can run on its own: its hit path, in line, whose answer
+/// (replayed, or an error) goes to `tool`; or, on a miss, the [`miss`] to await. Not
+/// generic: one copy serves every tool.
+pub(crate) fn start<'a>(
+    call: Result<Call, Error>,
+    tool: &mut dyn Start<'a>,
+    caches_errors: bool,
+    error_type: &'static str,
+) -> Option<Missed<'a>> {
+    let call = match call {
+        Ok(call) => call,
+        Err(error) => {
+            tool.fail(error);
+            return None;
+        }
+    };
+    // The hit path, in the call's span; the miss enters it on its own.
+    let handover = {
+        let _in_span = call.span().enter();
+        match claim::look_up(&call, call.report(), tool) {
+            Err(error) => {
+                tool.fail(error);
+                return None;
+            }
+            Ok(claim::Looked::Hit(report)) => {
+                if tool.answered().is_none() {
+                    tool.fail(Error::store(
+                        "idem",
+                        "the store answered a hit without lending its result",
+                    ));
+                }
+                if let Some(answered) = tool.answered() {
+                    report.replay(answered, error_type);
+                }
+                return None;
+            }
+            // The miss finds its store again, inside its box.
+            Ok(claim::Looked::Miss(_, report)) => report.handover(),
+        }
+    };
+    let Some(glue) = tool.glue() else {
+        tool.fail(Error::store("idem", "a body was asked for twice"));
+        return None;
+    };
+    Some(miss(call, handover, caches_errors, error_type, glue))
 }
 
 /// A call whose hit path found nothing, whose body can run on its own: claims the key
 /// (waiting for another call that holds it), then replays what the claim found, or runs
 /// the body ([`finishing`]). Boxed, and not generic: the future of every tool's call
-/// holds a pointer to it. Its outcome goes into `glue`.
+/// holds a pointer to it.
 pub(crate) fn miss<'a>(
     call: Call,
     handover: Handover,
     caches_errors: bool,
     error_type: &'static str,
-    glue: &'a mut dyn Glue,
-) -> Pin<Box<dyn Future<Output = Result<(), Error>> + Send + 'a>> {
+    mut glue: Box<dyn Glue + 'a>,
+) -> Missed<'a> {
     let span = call.span().clone();
     Box::pin(
         async move {
@@ -243,8 +307,8 @@ pub(crate) fn miss<'a>(
                     failed,
                 } => {
                     let decoded = glue.decode(&call.key, &bytes, failed);
-                    report.replay(decoded.as_ref().copied(), error_type);
-                    return decoded.map(drop);
+                    report.replay(decoded.as_ref().map(|(_, failed)| *failed), error_type);
+                    return decoded.map(|(output, _)| output);
                 }
                 Acquired::Hit(report) => {
                     let error = Error::store("idem", "a claim answered as a hit");
@@ -257,9 +321,10 @@ pub(crate) fn miss<'a>(
                 report.refused(&error);
                 return Err(error);
             };
+            // What the body needed of the glue is in the body now.
+            drop(glue);
             let handover = report.handover();
-            let output = finishing(call, owner, handover, body, error_type).await?;
-            glue.output(output)
+            finishing(call, owner, handover, body, error_type).await
         }
         .instrument(span),
     )

@@ -67,6 +67,6 @@ mod typed;
 pub use call::Call;
 pub use typed::{
     execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Checked, Compare,
-    ErrorCodec, ErrorPolicy, FinishesAlone, ReleaseErrors, Replayable, RunArgument, RunSource,
-    ToolOutput,
+    ErrorCodec, ErrorPolicy, Execution, FinishesAlone, ReleaseErrors, Replayable, RunArgument,
+    RunSource, ToolOutput,
 };

@@ -271,12 +271,10 @@ where
     let call = call?;
     let span = call.span().clone();
     async move {
-        let mut hit = None;
-        let acquiring = claim::acquire(&call, call.report(), C::STORED.is_some(), &mut |bytes| {
-            hit = Some(decode::<R, C>(&call.key, bytes, false))
-        });
+        let mut hit = Hit::<R, C>::new();
+        let acquiring = claim::acquire(&call, call.report(), C::STORED.is_some(), &mut hit);
         let acquired = acquiring.await?;
-        let (owner, report) = match replay::<R, C>(&call, acquired, hit)? {
+        let (owner, report) = match replay::<R, C>(&call, acquired, hit.decoded)? {
             Acquisition::Replay(output) => return Ok(output),
             Acquisition::Owner(owner, report) => (owner, report),
         };
@@ -304,10 +302,13 @@ where
 /// the caller's are not carried over. It runs on the runtime the call started on, even
 /// if the call is dropped elsewhere; outside any tokio runtime there is nowhere to
 /// finish, and a dropped call is settled as [`execute`] settles it.
-pub async fn execute_finishing<R, C, Fut>(
+///
+/// The store's hit path runs here, before the returned future is first polled; a miss
+/// is one boxed future that is not generic, compiled once for every tool.
+pub fn execute_finishing<'a, R, C, Fut>(
     call: impl Into<Checked<R::Ok, R::Err>>,
-    operation: impl FnOnce() -> Fut + Send,
-) -> Result<R, Error>
+    operation: impl FnOnce() -> Fut + Send + 'a,
+) -> Execution<'a, R>
 where
     R: ToolOutput + Send + 'static,
     R::Ok: Send,
@@ -316,37 +317,122 @@ where
     Fut: FinishesAlone<Output = R>,
 {
     let Checked { call, compare } = call.into();
-    let call = call?;
-    // The hit path, in the call's span; the miss enters it on its own.
-    let handover = {
-        let _in_span = call.span().enter();
-        let mut hit = None;
-        let looked = claim::look_up(&call, call.report(), &mut |bytes| {
-            hit = Some(decode::<R, C>(&call.key, bytes, false))
-        })?;
-        match looked {
-            claim::Looked::Hit(report) => return replay_hit(report, hit),
-            // The miss finds its store again, inside its box.
-            claim::Looked::Miss(_, report) => report.handover(),
-        }
-    };
-    let mut glue = Finishes::<R, C, _> {
+    let mut tool = Starting::<R, C, _> {
+        decoded: None,
         operation: Some(operation),
         compare,
-        output: None,
         policy: std::marker::PhantomData,
     };
     let error_type = std::any::type_name::<R::Err>();
-    finish::miss(call, handover, C::STORED.is_some(), error_type, &mut glue).await?;
-    ran(glue.output)
+    let state = match finish::start(call, &mut tool, C::STORED.is_some(), error_type) {
+        Some(missed) => Stage::Missed(missed),
+        None => Stage::Ready(tool.decoded),
+    };
+    Execution { state }
+}
+
+/// A tool's part of the start of a call of [`execute_finishing`] (see
+/// [`Start`](finish::Start)).
+struct Starting<R: ToolOutput, C, Op> {
+    /// The answer, once the hit path has one.
+    decoded: Option<Result<R, Error>>,
+    operation: Option<Op>,
+    compare: Compare<R::Ok, R::Err>,
+    policy: std::marker::PhantomData<fn() -> C>,
+}
+
+impl<R: ToolOutput, C: ErrorPolicy<R::Err>, Op> claim::Lend for Starting<R, C, Op> {
+    fn lend(&mut self, key: &Key, bytes: &[u8]) {
+        self.decoded = Some(decode::<R, C>(key, bytes, false));
+    }
+}
+
+impl<'a, R, C, Op, Fut> finish::Start<'a> for Starting<R, C, Op>
+where
+    R: ToolOutput + Send + 'static,
+    R::Ok: Send,
+    R::Err: Send,
+    C: ErrorPolicy<R::Err> + 'static,
+    Op: FnOnce() -> Fut + Send + 'a,
+    Fut: FinishesAlone<Output = R>,
+{
+    fn fail(&mut self, error: Error) {
+        self.decoded = Some(Err(error));
+    }
+
+    fn answered(&self) -> Option<Result<bool, &Error>> {
+        let decoded = self.decoded.as_ref()?;
+        Some(decoded.as_ref().map(ToolOutput::failed))
+    }
+
+    fn glue(&mut self) -> Option<Box<dyn finish::Glue + 'a>> {
+        let operation = self.operation.take()?;
+        Some(Box::new(Finishes::<R, C, _> {
+            operation: Some(operation),
+            compare: self.compare,
+            policy: std::marker::PhantomData,
+        }))
+    }
+}
+
+/// The future [`execute_finishing`] returns: a call's outcome, replayed from the hit
+/// path, or that of its (boxed, shared) miss.
+#[must_use = "futures do nothing unless polled"]
+pub struct Execution<'a, R> {
+    state: Stage<'a, R>,
+}
+
+enum Stage<'a, R> {
+    /// The hit path's answer, until it is taken.
+    Ready(Option<Result<R, Error>>),
+    /// The miss: its output is an `R`, boxed.
+    Missed(finish::Missed<'a>),
+}
+
+// Nothing is pinned in place: the answer is moved out, the miss is boxed.
+impl<R> Unpin for Execution<'_, R> {}
+
+impl<R: 'static> Future for Execution<'_, R> {
+    type Output = Result<R, Error>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let output = match &mut self.state {
+            Stage::Ready(output) => output.take().unwrap_or_else(|| Err(polled_after_end())),
+            Stage::Missed(missed) => match missed.as_mut().poll(cx) {
+                std::task::Poll::Ready(output) => output.and_then(taken::<R>),
+                std::task::Poll::Pending => return std::task::Poll::Pending,
+            },
+        };
+        std::task::Poll::Ready(output)
+    }
+}
+
+#[cold]
+fn polled_after_end() -> Error {
+    Error::store("idem", "a call was polled after it ended")
+}
+
+/// A tool's output, as the shared code handed it back.
+fn taken<R: 'static>(output: Box<dyn Any + Send>) -> Result<R, Error> {
+    match output.downcast::<R>() {
+        Ok(output) => Ok(*output),
+        Err(_) => Err(not_its_type()),
+    }
+}
+
+#[cold]
+fn not_its_type() -> Error {
+    Error::store("idem", "a body's output is not its tool's type")
 }
 
 /// A tool's part of a call of [`execute_finishing`] (see [`Glue`](finish::Glue)).
 struct Finishes<R: ToolOutput, C, Op> {
     operation: Option<Op>,
     compare: Compare<R::Ok, R::Err>,
-    output: Option<R>,
-    policy: std::marker::PhantomData<fn() -> C>,
+    policy: std::marker::PhantomData<fn() -> (R, C)>,
 }
 
 impl<R, C, Op, Fut> finish::Glue for Finishes<R, C, Op>
@@ -358,11 +444,10 @@ where
     Op: FnOnce() -> Fut + Send,
     Fut: FinishesAlone<Output = R>,
 {
-    fn decode(&mut self, key: &Key, bytes: &[u8], failed: bool) -> Result<bool, Error> {
+    fn decode(&self, key: &Key, bytes: &[u8], failed: bool) -> Result<finish::Output, Error> {
         let output = decode::<R, C>(key, bytes, failed)?;
         let failed = output.failed();
-        self.output = Some(output);
-        Ok(failed)
+        Ok((Box::new(output), failed))
     }
 
     fn body(&mut self, key: &Key) -> Option<BoxBody> {
@@ -372,19 +457,6 @@ where
             operation(),
             self.compare,
         ))
-    }
-
-    fn output(&mut self, output: Box<dyn Any + Send>) -> Result<(), Error> {
-        match output.downcast::<Option<R>>() {
-            Ok(output) => {
-                self.output = *output;
-                Ok(())
-            }
-            Err(_) => Err(Error::store(
-                "idem",
-                "a body's output is not its tool's type",
-            )),
-        }
     }
 }
 
@@ -412,12 +484,9 @@ where
     let call = call?;
     let _span = call.span().enter();
     let _blocking = crate::blocking::InSyncTool::enter();
-    let mut hit = None;
-    let acquired =
-        claim::acquire_blocking(&call, call.report(), C::STORED.is_some(), &mut |bytes| {
-            hit = Some(decode::<R, C>(&call.key, bytes, false))
-        })?;
-    let (owner, report) = match replay::<R, C>(&call, acquired, hit)? {
+    let mut hit = Hit::<R, C>::new();
+    let acquired = claim::acquire_blocking(&call, call.report(), C::STORED.is_some(), &mut hit)?;
+    let (owner, report) = match replay::<R, C>(&call, acquired, hit.decoded)? {
         Acquisition::Replay(output) => return Ok(output),
         Acquisition::Owner(owner, report) => (owner, report),
     };
@@ -426,10 +495,35 @@ where
     let key = &call.key;
     let body = &mut || {
         let result = operation.take().map(|operation| operation().into_result());
-        result.map(|result| prepare::<R, C>(key, result, &mut output, compare))
+        result.map(|result| {
+            let (prepared, ran) = prepare::<R, C>(key, result, compare);
+            output = Some(ran);
+            prepared
+        })
     };
     finish::own_blocking(&call, owner, report, body, std::any::type_name::<R::Err>())?;
     ran(output)
+}
+
+/// A tool's decoder on the hit path: the result a store lends, decoded.
+struct Hit<R, C> {
+    decoded: Option<Result<R, Error>>,
+    policy: std::marker::PhantomData<fn() -> C>,
+}
+
+impl<R, C> Hit<R, C> {
+    fn new() -> Self {
+        Hit {
+            decoded: None,
+            policy: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<R: ToolOutput, C: ErrorPolicy<R::Err>> claim::Lend for Hit<R, C> {
+    fn lend(&mut self, key: &Key, bytes: &[u8]) {
+        self.decoded = Some(decode::<R, C>(key, bytes, false));
+    }
 }
 
 /// What an acquired key gives the caller: the stored outcome, decoded, or the claim
@@ -499,7 +593,9 @@ where
     Fut: Future<Output = R>,
 {
     let result = operation.await.into_result();
-    prepare::<R, C>(key, result, output, compare)
+    let (prepared, ran) = prepare::<R, C>(key, result, compare);
+    *output = Some(ran);
+    prepared
 }
 
 /// The tool's body, made ready to run on its own: [`body`], boxed, its output handed
@@ -512,22 +608,20 @@ where
 {
     Box::pin(async move {
         let result = operation.await.into_result();
-        let mut output = None;
-        let prepared = prepare::<R, C>(&key, result, &mut output, compare);
+        let (prepared, output) = prepare::<R, C>(&key, result, compare);
         let output: Box<dyn Any + Send> = Box::new(output);
         Ended { prepared, output }
     })
 }
 
-/// What the store is to record of a body's `result`, which is left in `output`.
+/// What the store is to record of a body's `result`, and the output it makes.
 ///
 /// The read-back check runs here, where the value is at hand (see `read_back.rs`).
 fn prepare<R, C>(
     key: &Key,
     result: Result<R::Ok, R::Err>,
-    output: &mut Option<R>,
     compare: Compare<R::Ok, R::Err>,
-) -> Prepared
+) -> (Prepared, R)
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
@@ -541,8 +635,7 @@ where
         }),
         (Err(_), None) => Prepared::Release,
     };
-    *output = Some(R::from_result(result));
-    prepared
+    (prepared, R::from_result(result))
 }
 
 /// The output an owner's body left, once its outcome is settled.
@@ -556,7 +649,8 @@ fn no_output() -> Error {
 }
 
 /// A stored outcome, decoded for replay: the tool's result, or (`failed`) its cached
-/// error.
+/// error. Not inlined: the hit path and the claim's replay share one copy.
+#[inline(never)]
 fn decode<R, C>(key: &Key, bytes: &[u8], failed: bool) -> Result<R, Error>
 where
     R: ToolOutput,
