@@ -2,7 +2,8 @@
 //! the attribute (a record written by one replays through the other), and the same
 //! outcomes when the caller or the body misbehaves: a call its caller stops waiting
 //! for, a panic, a failed body, a concurrent duplicate, a store that fails, an
-//! abandoned at-most-once claim settled by a reconcile hook. Each test counts how often
+//! abandoned at-most-once claim settled by a reconcile hook, a body that hangs past
+//! `max_run`, a running claim removed from under it. Each test counts how often
 //! the side effect really ran and what each caller got.
 
 use std::future::Future;
@@ -502,4 +503,73 @@ async fn a_reconcile_answer_that_does_not_read_as_the_result_type_stays_unknown(
         !matches!(record.state, State::Completed { .. }),
         "{record:?}"
     );
+}
+
+/// A body that hangs is stopped at `max_run`, and a running claim an operator removes
+/// is a lost lease: through `Tool` as through the attribute (see `lifecycle.rs` and
+/// `keys_and_errors.rs`), each a typed error, and the retry runs the body again.
+#[tokio::test]
+async fn a_hung_body_stops_at_max_run_and_a_removed_claim_is_a_lost_lease() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let run = run(&store);
+    let sent = Sent::default();
+
+    // Hangs the first time only.
+    let hangs = Tool::new("hangs").max_run(Duration::from_millis(300));
+    let once = json!("once");
+    let call = || {
+        let sent = sent.clone();
+        hangs.call(&run, &once, move |_| async move {
+            if sent.send() == 1 {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, Error>(json!(sent.count()))
+        })
+    };
+    let hung = tokio::time::timeout(Duration::from_secs(10), call())
+        .await
+        .expect("stopped at max_run, not hung");
+    assert!(
+        matches!(hung, Err(Error::MaxRunExceeded { .. })),
+        "{hung:?}"
+    );
+    assert_eq!(call().await.unwrap(), json!(2), "released: the retry ran");
+    assert_eq!(sent.count(), 2);
+
+    // An operator removes the running claim.
+    let removed = Tool::new("removed");
+    let go = Arc::new(tokio::sync::Notify::new());
+    let (keys, mut key) = tokio::sync::mpsc::unbounded_channel();
+    let x = json!("x");
+    let first = removed.call(&run, &x, {
+        let (sent, go) = (sent.clone(), Arc::clone(&go));
+        move |key| async move {
+            sent.send();
+            keys.send(key).unwrap();
+            go.notified().await;
+            Ok::<_, Error>(json!("first"))
+        }
+    });
+    let operator = async {
+        let key = key.recv().await.unwrap();
+        assert!(store.delete(&key).await.unwrap());
+        go.notify_one();
+    };
+    let (first, ()) = tokio::join!(first, operator);
+    assert!(
+        matches!(
+            first,
+            Err(Error::LostLease {
+                lost_to: idem::LostTo::Removal,
+                ..
+            })
+        ),
+        "{first:?}"
+    );
+    let retry: Value = removed
+        .call(&run, &x, |_| async { Ok::<_, Error>(json!("retry")) })
+        .await
+        .unwrap();
+    assert_eq!(retry, json!("retry"), "nothing was stored: the retry ran");
+    assert_eq!(sent.count(), 3);
 }

@@ -5,7 +5,7 @@
 //! ```
 //!
 //! (those are the defaults; `--idem DIR` measures the idem checkout in `DIR` instead of
-//! this one).
+//! this one; `--debug` times debug builds instead of release ones).
 //!
 //! Generates four crates of the same `--tools` async tools under
 //! `target/compile-cost/`, each tool with its own input and output structs and called
@@ -67,7 +67,7 @@ impl Variant {
 }
 
 fn main() {
-    let (mut tools, mut rounds) = (100usize, 5usize);
+    let (mut tools, mut rounds, mut debug) = (100usize, 5usize, false);
     let mut idem_dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .and_then(Path::parent)
@@ -84,18 +84,26 @@ fn main() {
             "--tools" => tools = number("--tools"),
             "--rounds" => rounds = number("--rounds"),
             "--idem" => idem_dir = args.next().expect("--idem takes a directory").into(),
-            other => panic!("unknown argument {other}; expected --tools N, --rounds N, --idem DIR"),
+            "--debug" => debug = true,
+            other => panic!(
+                "unknown argument {other}; expected --tools N, --rounds N, --idem DIR, --debug"
+            ),
         }
     }
     let idem_dir = idem_dir.as_path();
     let root = idem_dir.join("target").join("compile-cost");
     let target = root.join("target");
+    let profile = if debug {
+        Profile::Debug
+    } else {
+        Profile::Release
+    };
     for variant in Variant::ALL {
         write_crate(&root.join(variant.name()), variant, tools, idem_dir);
     }
     eprintln!("building the dependencies once");
     for variant in Variant::ALL {
-        build(&root.join(variant.name()), &target);
+        build(&root.join(variant.name()), &target, profile);
     }
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); Variant::ALL.len()];
     for round in 1..=rounds {
@@ -103,22 +111,29 @@ fn main() {
         for (i, variant) in Variant::ALL.into_iter().enumerate() {
             let dir = root.join(variant.name());
             touch(&dir.join("src").join("main.rs"));
-            times[i].push(build(&dir, &target));
+            times[i].push(build(&dir, &target, profile));
         }
     }
     let sizes: Vec<u64> = Variant::ALL
         .iter()
         .map(|v| {
-            let binary = target.join("release").join(format!("tools-{}", v.name()));
+            let binary = target
+                .join(profile.name())
+                .join(format!("tools-{}", v.name()));
             std::fs::metadata(&binary)
                 .unwrap_or_else(|e| panic!("{}: {e}", binary.display()))
                 .len()
         })
         .collect();
-    println!("{tools} tools, {rounds} release rebuilds each (touch src/main.rs)\n");
+    let name = profile.name();
+    println!("{tools} tools, {rounds} {name} rebuilds each (touch src/main.rs)\n");
     println!(
         "{:<34} {:>15} {:>13} {:>14} {:>13}",
-        "the tools", "rebuild median", "range", "release binary", "per tool"
+        "the tools",
+        "rebuild median",
+        "range",
+        format!("{name} binary"),
+        "per tool"
     );
     let floor_median = median(&times[1]);
     for (i, variant) in Variant::ALL.into_iter().enumerate() {
@@ -167,10 +182,31 @@ fn touch(file: &Path) {
     std::fs::write(file, text).expect("touch main.rs");
 }
 
-fn build(dir: &Path, target: &Path) -> Duration {
+/// Which build is timed.
+#[derive(Clone, Copy)]
+enum Profile {
+    Release,
+    Debug,
+}
+
+impl Profile {
+    /// Its name, which is also where cargo puts its binaries.
+    fn name(self) -> &'static str {
+        match self {
+            Profile::Release => "release",
+            Profile::Debug => "debug",
+        }
+    }
+}
+
+fn build(dir: &Path, target: &Path, profile: Profile) -> Duration {
     let started = Instant::now();
+    let mut args = vec!["build", "--quiet"];
+    if let Profile::Release = profile {
+        args.push("--release");
+    }
     let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["build", "--release", "--quiet"])
+        .args(args)
         .current_dir(dir)
         .env("CARGO_TARGET_DIR", target)
         .status()
