@@ -573,3 +573,101 @@ async fn a_hung_body_stops_at_max_run_and_a_removed_claim_is_a_lost_lease() {
     assert_eq!(retry, json!("retry"), "nothing was stored: the retry ran");
     assert_eq!(sent.count(), 3);
 }
+
+/// A `Tool` closure that panics before it returns its body's future panics as a body
+/// does: the panic reaches the caller and the claim is settled at once, so the retry
+/// runs without waiting out the lease. The closure runs in the key's scope.
+#[tokio::test]
+async fn a_closure_that_panics_before_its_future_settles_the_claim_at_once() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let run = run(&store);
+    let tool = Tool::new("panics_early").lease(Duration::from_secs(60));
+    let input = json!(1);
+    let panicked = tokio::spawn({
+        let (tool, run, input) = (tool.clone(), run.clone(), input.clone());
+        async move {
+            tool.call(&run, &input, |key| {
+                assert_eq!(current_key(), Some(key), "in the key's scope");
+                let none: Option<u32> = None;
+                let value = none.expect("boom, before the future");
+                async move { Ok::<_, Error>(json!(value)) }
+            })
+            .await
+        }
+    })
+    .await;
+    let payload = panicked.unwrap_err().into_panic();
+    let message = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied());
+    assert_eq!(
+        message,
+        Some("boom, before the future"),
+        "the closure's own panic, not the assertion's"
+    );
+    let started = std::time::Instant::now();
+    let retry: Value = tool
+        .call(&run, &input, |_| async { Ok::<_, Error>(json!(2)) })
+        .await
+        .unwrap();
+    assert_eq!(retry, json!(2));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the retry waited {:?}: the claim was not settled",
+        started.elapsed()
+    );
+}
+
+/// A result type whose `Deserialize` panics.
+#[derive(Debug, Serialize)]
+struct PanicsOnRead(u32);
+
+impl<'de> Deserialize<'de> for PanicsOnRead {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        panic!("a Deserialize that panics")
+    }
+}
+
+/// A panic in the result type's `Deserialize` is a stored result that cannot be read,
+/// a typed error, on the hit path and for a call that waited for another's claim; the
+/// body does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_deserialize_is_a_stored_result_error_on_every_path() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let run = run(&store);
+    let tool = Tool::new("reads");
+    let sent = Sent::default();
+    let go = Arc::new(tokio::sync::Notify::new());
+    let input = json!("x");
+    let first = tool.call(&run, &input, {
+        let (sent, go) = (sent.clone(), Arc::clone(&go));
+        move |_| async move {
+            sent.send();
+            go.notified().await;
+            Ok::<_, Error>(json!(7))
+        }
+    });
+    let waiter = async {
+        started(&sent, 0).await;
+        let waiting = tool.call(&run, &input, |_| async { Ok::<_, Error>(PanicsOnRead(8)) });
+        let mut waiting = std::pin::pin!(waiting);
+        // It waits for the first call's claim, then reads its record.
+        tokio::select! {
+            _ = &mut waiting => panic!("the duplicate did not wait"),
+            _ = tokio::time::sleep(Duration::from_millis(100)) => go.notify_one(),
+        }
+        waiting.await
+    };
+    let (first, waited) = tokio::join!(first, waiter);
+    assert_eq!(first.unwrap(), json!(7));
+    assert!(
+        matches!(waited, Err(Error::StoredResult { .. })),
+        "{waited:?}"
+    );
+    let hit = tool
+        .call(&run, &input, |_| async { Ok::<_, Error>(PanicsOnRead(9)) })
+        .await;
+    assert!(matches!(hit, Err(Error::StoredResult { .. })), "{hit:?}");
+    assert_eq!(sent.count(), 1, "the body ran once");
+}

@@ -316,10 +316,19 @@ pub(crate) fn miss<'a>(
                     return Err(error);
                 }
             };
-            let Some(body) = glue.body(&call.key) else {
-                let error = Error::store("idem", "a body was asked for twice");
-                report.refused(&error);
-                return Err(error);
+            // The closure that makes the body runs in the key's scope; a panic in it is
+            // the body's panic, and settles the claim as one does (see `own`).
+            let made = panic::catch_unwind(AssertUnwindSafe(|| {
+                CURRENT_KEY.sync_scope(call.key.clone(), || glue.body(&call.key))
+            }));
+            let body = match made {
+                Ok(Some(body)) => body,
+                Ok(None) => {
+                    let error = Error::store("idem", "a body was asked for twice");
+                    report.refused(&error);
+                    return Err(error);
+                }
+                Err(payload) => Box::pin(async move { panic::resume_unwind(payload) }),
             };
             // What the body needed of the glue is in the body now.
             drop(glue);

@@ -402,7 +402,11 @@ impl<R: 'static> Future for Execution<'_, R> {
         let output = match &mut self.state {
             Stage::Ready(output) => output.take().unwrap_or_else(|| Err(polled_after_end())),
             Stage::Missed(missed) => match missed.as_mut().poll(cx) {
-                std::task::Poll::Ready(output) => output.and_then(taken::<R>),
+                std::task::Poll::Ready(output) => {
+                    // Polled again, it says so rather than polling the ended miss.
+                    self.state = Stage::Ready(None);
+                    output.and_then(taken::<R>)
+                }
                 std::task::Poll::Pending => return std::task::Poll::Pending,
             },
         };
@@ -656,19 +660,28 @@ where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
 {
-    let decoded = match (failed, C::STORED) {
-        (false, _) => serde_json::from_slice::<R::Ok>(bytes).map(Ok),
-        (true, Some(codec)) => (codec.decode)(bytes).map(Err),
-        (true, None) => Err(serde::de::Error::custom(
-            "the store answered with a cached error for a tool that caches none",
-        )),
-    };
+    // A panic in the type's `Deserialize` is a record that cannot be read back, on
+    // every path that decodes one (the hit path, and a claim that found a record).
+    let decoded =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (failed, C::STORED) {
+            (false, _) => serde_json::from_slice::<R::Ok>(bytes).map(Ok),
+            (true, Some(codec)) => (codec.decode)(bytes).map(Err),
+            (true, None) => Err(serde::de::Error::custom(
+                "the store answered with a cached error for a tool that caches none",
+            )),
+        }));
     decoded
+        .unwrap_or_else(|_| Err(deserialize_panicked()))
         .map(R::from_result)
         .map_err(|source| Error::StoredResult {
             key: key.clone(),
             source,
         })
+}
+
+#[cold]
+fn deserialize_panicked() -> serde_json::Error {
+    serde::de::Error::custom("its type's `Deserialize` panicked")
 }
 
 /// Converts an idem error into the tool's output (`Err(E::from(error))`); what the
