@@ -86,8 +86,28 @@ pub(crate) fn acquire<'a>(
 /// Where a store lends a completed result on the hit path: the tool's decoder. A trait
 /// of one method, so each tool's decoder is one function, not a closure's shims.
 pub(crate) trait Lend {
-    /// Decodes the result the store lends for `key`.
-    fn lend(&mut self, key: &Key, bytes: &[u8]);
+    /// Decodes the outcome stored for `key`: its result, or (`failed`) a cached error.
+    fn lend(&mut self, key: &Key, bytes: &[u8], failed: bool);
+    /// Keeps `error` as the call's answer.
+    fn fail(&mut self, error: Error);
+}
+
+/// [`Lend::lend`], with a panic in the type's `Deserialize` made the answer
+/// [`Error::StoredResult`]: a record that cannot be read back, never the caller's
+/// panic. Not generic: one copy serves every tool.
+pub(crate) fn lend_caught(to: &mut dyn Lend, key: &Key, bytes: &[u8], failed: bool) {
+    if panic::catch_unwind(AssertUnwindSafe(|| to.lend(key, bytes, failed))).is_err() {
+        to.fail(unreadable_panic(key));
+    }
+}
+
+/// The error of a stored outcome whose type's `Deserialize` panicked.
+#[cold]
+pub(crate) fn unreadable_panic(key: &Key) -> Error {
+    Error::StoredResult {
+        key: key.clone(),
+        source: serde::de::Error::custom("its type's `Deserialize` panicked"),
+    }
 }
 
 /// What the hit path found (see [`look_up`]).
@@ -193,18 +213,19 @@ fn refused<T>(report: Report<'_>, error: Error) -> Result<T, Error> {
 }
 
 /// The store's lookup on the hit path, lending a stored result to `replay`: whether it
-/// did. A panic in it (the store's code, or the result's `Deserialize`) is the store's
-/// failure, never the caller's panic.
+/// did. A panic in the result's `Deserialize` is a record that cannot be read back (see
+/// [`lend_caught`]); a panic in the store's own code is the store's failure; neither is
+/// the caller's panic.
 fn lookup(call: &Call, store: &dyn Store, replay: &mut dyn Lend) -> Result<bool, Error> {
     let mut replayed = false;
     let looked_up = panic::catch_unwind(AssertUnwindSafe(|| {
         store.with_completed_result(&call.key, &call.fingerprint, &mut |bytes| {
             replayed = true;
-            replay.lend(&call.key, bytes);
+            lend_caught(replay, &call.key, bytes, false);
         })
     }));
     if looked_up.is_err() {
-        let why = "a panic in the lookup (the store's code, or the result's `Deserialize`)";
+        let why = "a panic in the store's lookup";
         return Err(Error::store(store.name(), why));
     }
     if replayed {

@@ -229,8 +229,6 @@ pub(crate) type Missed<'a> =
 /// decoder on the hit path (see [`Lend`](claim::Lend)), where the answer is kept, and
 /// the [`Glue`] of its miss.
 pub(crate) trait Start<'a>: claim::Lend {
-    /// Keeps `error` as the call's answer.
-    fn fail(&mut self, error: Error);
     /// The answer kept (`Ok(failed)`: whether it is the tool's error), if any.
     fn answered(&self) -> Option<Result<bool, &Error>>;
     /// The glue of the miss; `None` if asked twice.
@@ -284,6 +282,25 @@ pub(crate) fn start<'a>(
     Some(miss(call, handover, caches_errors, error_type, glue))
 }
 
+/// Polls a [`miss`] until it ends, then drops it: polled again, it says so. Not generic.
+pub(crate) fn poll_missed(
+    missed: &mut Option<Missed<'_>>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<Box<dyn Any + Send>, Error>> {
+    let Some(future) = missed else {
+        return Poll::Ready(Err(polled_after_end()));
+    };
+    let output = std::task::ready!(future.as_mut().poll(cx));
+    *missed = None;
+    Poll::Ready(output)
+}
+
+/// The error of a call polled after it ended.
+#[cold]
+pub(crate) fn polled_after_end() -> Error {
+    Error::store("idem", "a call was polled after it ended")
+}
+
 /// A call whose hit path found nothing, whose body can run on its own: claims the key
 /// (waiting for another call that holds it), then replays what the claim found, or runs
 /// the body ([`finishing`]). Boxed, and not generic: the future of every tool's call
@@ -306,7 +323,12 @@ pub(crate) fn miss<'a>(
                     bytes,
                     failed,
                 } => {
-                    let decoded = glue.decode(&call.key, &bytes, failed);
+                    // A panic in the type's `Deserialize` is a record that cannot be
+                    // read back, as on the hit path (see `claim::lend_caught`).
+                    let decoded = panic::catch_unwind(AssertUnwindSafe(|| {
+                        glue.decode(&call.key, &bytes, failed)
+                    }))
+                    .unwrap_or_else(|_| Err(claim::unreadable_panic(&call.key)));
                     report.replay(decoded.as_ref().map(|(_, failed)| *failed), error_type);
                     return decoded.map(|(output, _)| output);
                 }

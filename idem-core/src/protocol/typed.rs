@@ -325,7 +325,7 @@ where
     };
     let error_type = std::any::type_name::<R::Err>();
     let state = match finish::start(call, &mut tool, C::STORED.is_some(), error_type) {
-        Some(missed) => Stage::Missed(missed),
+        Some(missed) => Stage::Missed(Some(missed)),
         None => Stage::Ready(tool.decoded),
     };
     Execution { state }
@@ -342,8 +342,12 @@ struct Starting<R: ToolOutput, C, Op> {
 }
 
 impl<R: ToolOutput, C: ErrorPolicy<R::Err>, Op> claim::Lend for Starting<R, C, Op> {
-    fn lend(&mut self, key: &Key, bytes: &[u8]) {
-        self.decoded = Some(decode::<R, C>(key, bytes, false));
+    fn lend(&mut self, key: &Key, bytes: &[u8], failed: bool) {
+        self.decoded = Some(decode::<R, C>(key, bytes, failed));
+    }
+
+    fn fail(&mut self, error: Error) {
+        self.decoded = Some(Err(error));
     }
 }
 
@@ -356,10 +360,6 @@ where
     Op: FnOnce() -> Fut + Send + 'a,
     Fut: FinishesAlone<Output = R>,
 {
-    fn fail(&mut self, error: Error) {
-        self.decoded = Some(Err(error));
-    }
-
     fn answered(&self) -> Option<Result<bool, &Error>> {
         let decoded = self.decoded.as_ref()?;
         Some(decoded.as_ref().map(ToolOutput::failed))
@@ -385,8 +385,8 @@ pub struct Execution<'a, R> {
 enum Stage<'a, R> {
     /// The hit path's answer, until it is taken.
     Ready(Option<Result<R, Error>>),
-    /// The miss: its output is an `R`, boxed.
-    Missed(finish::Missed<'a>),
+    /// The miss, until it ends: its output is an `R`, boxed.
+    Missed(Option<finish::Missed<'a>>),
 }
 
 // Nothing is pinned in place: the answer is moved out, the miss is boxed.
@@ -400,23 +400,16 @@ impl<R: 'static> Future for Execution<'_, R> {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
         let output = match &mut self.state {
-            Stage::Ready(output) => output.take().unwrap_or_else(|| Err(polled_after_end())),
-            Stage::Missed(missed) => match missed.as_mut().poll(cx) {
-                std::task::Poll::Ready(output) => {
-                    // Polled again, it says so rather than polling the ended miss.
-                    self.state = Stage::Ready(None);
-                    output.and_then(taken::<R>)
-                }
+            Stage::Ready(output) => output
+                .take()
+                .unwrap_or_else(|| Err(finish::polled_after_end())),
+            Stage::Missed(missed) => match finish::poll_missed(missed, cx) {
+                std::task::Poll::Ready(output) => output.and_then(taken::<R>),
                 std::task::Poll::Pending => return std::task::Poll::Pending,
             },
         };
         std::task::Poll::Ready(output)
     }
-}
-
-#[cold]
-fn polled_after_end() -> Error {
-    Error::store("idem", "a call was polled after it ended")
 }
 
 /// A tool's output, as the shared code handed it back.
@@ -525,8 +518,12 @@ impl<R, C> Hit<R, C> {
 }
 
 impl<R: ToolOutput, C: ErrorPolicy<R::Err>> claim::Lend for Hit<R, C> {
-    fn lend(&mut self, key: &Key, bytes: &[u8]) {
-        self.decoded = Some(decode::<R, C>(key, bytes, false));
+    fn lend(&mut self, key: &Key, bytes: &[u8], failed: bool) {
+        self.decoded = Some(decode::<R, C>(key, bytes, failed));
+    }
+
+    fn fail(&mut self, error: Error) {
+        self.decoded = Some(Err(error));
     }
 }
 
@@ -555,7 +552,14 @@ where
             report,
             bytes,
             failed,
-        } => replayed(report, decode::<R, C>(&call.key, &bytes, failed)),
+        } => {
+            let mut stored = Hit::<R, C>::new();
+            claim::lend_caught(&mut stored, &call.key, &bytes, failed);
+            replayed(
+                report,
+                stored.decoded.unwrap_or_else(|| Err(lent_nothing())),
+            )
+        }
     };
     replayed.map(Acquisition::Replay)
 }
@@ -660,28 +664,19 @@ where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
 {
-    // A panic in the type's `Deserialize` is a record that cannot be read back, on
-    // every path that decodes one (the hit path, and a claim that found a record).
-    let decoded =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (failed, C::STORED) {
-            (false, _) => serde_json::from_slice::<R::Ok>(bytes).map(Ok),
-            (true, Some(codec)) => (codec.decode)(bytes).map(Err),
-            (true, None) => Err(serde::de::Error::custom(
-                "the store answered with a cached error for a tool that caches none",
-            )),
-        }));
+    let decoded = match (failed, C::STORED) {
+        (false, _) => serde_json::from_slice::<R::Ok>(bytes).map(Ok),
+        (true, Some(codec)) => (codec.decode)(bytes).map(Err),
+        (true, None) => Err(serde::de::Error::custom(
+            "the store answered with a cached error for a tool that caches none",
+        )),
+    };
     decoded
-        .unwrap_or_else(|_| Err(deserialize_panicked()))
         .map(R::from_result)
         .map_err(|source| Error::StoredResult {
             key: key.clone(),
             source,
         })
-}
-
-#[cold]
-fn deserialize_panicked() -> serde_json::Error {
-    serde::de::Error::custom("its type's `Deserialize` panicked")
 }
 
 /// Converts an idem error into the tool's output (`Err(E::from(error))`); what the
