@@ -267,13 +267,31 @@ return 1",
             .query_async(&mut c)
             .await
             .unwrap();
-        let _: () = redis::cmd("EVAL")
-            .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
-            .arg(0)
-            .arg(format!("{prefix}*"))
-            .query_async(&mut c)
-            .await
-            .unwrap();
+        // In batches, so that hundreds of thousands of keys stay within a command's
+        // timeout.
+        let mut cursor = 0u64;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{prefix}*"))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            if !keys.is_empty() {
+                let _: () = redis::cmd("UNLINK")
+                    .arg(&keys)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
     }
 }
 
@@ -337,6 +355,13 @@ impl PostgresFloor {
         let client = self.pool.get().await.unwrap();
         let stmt = client.prepare_cached(&self.select).await.unwrap();
         client.query_opt(&stmt, &[&k]).await.unwrap();
+    }
+
+    /// One query: `SELECT` by primary key; whether row `k` exists.
+    pub async fn query_found(&self, k: i64) -> bool {
+        let client = self.pool.get().await.unwrap();
+        let stmt = client.prepare_cached(&self.select).await.unwrap();
+        client.query_opt(&stmt, &[&k]).await.unwrap().is_some()
     }
 
     /// Two commits on row `k` (which must not exist yet).

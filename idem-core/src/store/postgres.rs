@@ -83,9 +83,13 @@ const STORE: &str = "postgres";
 ///   ```sql
 ///   WITH fresh AS (INSERT INTO idem_records (key, ...) VALUES ($1, ...)
 ///                  ON CONFLICT (key) DO NOTHING RETURNING 1)
-///   SELECT r.*, now(), (SELECT count(*) FROM fresh)
+///   SELECT r.fingerprint, r.state, r.token, r.lease_until, r.payload, r.expires_at,
+///          now(), (SELECT count(*) FROM fresh)
 ///   FROM (SELECT 1) AS one LEFT JOIN idem_records AS r ON r.key = $1
 ///   ```
+///
+///   It reads what the claim decides by, no more: a record's metadata (origin, times,
+///   counts) is written with the claim and read by the operator API, never by a hit.
 ///
 ///   A first call (the miss path) is claimed by it, so a miss is two statements and two
 ///   commits: this one and the completion. When the key has a row, `DO NOTHING` takes
@@ -384,9 +388,12 @@ impl Sql {
         );
         Sql {
             read: format!("{read} {from}"),
+            // What the claim decides by (see `claim_columns`), not the whole row.
             claim_fresh: format!(
                 "WITH fresh AS ({insert} ON CONFLICT (key) DO NOTHING RETURNING 1) \
-                 {read}, (SELECT count(*) FROM fresh) {from}"
+                 SELECT {}, {now}, (SELECT count(*) FROM fresh) {from}",
+                claim_columns(),
+                now = ms("now()"),
             ),
             // An expired row starts a new history; a takeover or a retry goes on with
             // the row's (a row of idem 0.1 has none: its times say when it was written).
@@ -509,6 +516,20 @@ fn columns() -> String {
 }
 /// How many columns [`columns`] has: the database time follows them.
 const COLUMN_COUNT: usize = 16;
+
+/// The columns a claim decides by (see `decide_claim`): the first five of [`columns`],
+/// then the expiry. The record's metadata and write time are for operators, never for
+/// decisions, and a hit does not read them.
+fn claim_columns() -> String {
+    format!(
+        "r.fingerprint, r.state, r.token, {lease}, r.payload, {expires}",
+        lease = ms("r.lease_until"),
+        expires = ms("r.expires_at"),
+    )
+}
+/// How many columns [`claim_columns`] has: the database time follows them, then whether
+/// the statement inserted the claim.
+const CLAIM_COLUMN_COUNT: usize = 6;
 
 /// An in-progress row whose lease has run out.
 const ABANDONED: &str = "state = 0 AND lease_until <= now()";
@@ -1019,28 +1040,66 @@ fn now_of(row: &Row, at: usize) -> Result<Timestamp, Error> {
     Ok(Timestamp(now.max(0) as u64))
 }
 
-/// The record in a row whose columns from `at` on are [`columns`], or `None` if the key
-/// has no row.
-fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> {
+/// What a claim decides by, in a row of the claim's read (see [`claim_columns`]): the
+/// record, without its metadata (`None` if the key has no row), and the database time.
+fn decode_claim_read(key: &Key, row: &Row) -> Result<(Option<Record>, Timestamp), Error> {
+    let now: i64 = row.try_get(CLAIM_COLUMN_COUNT).map_err(pg_error)?;
+    let now = Timestamp(now.max(0) as u64);
+    let Some((fingerprint, state)) = decode_decision(key, row, 0)? else {
+        return Ok((None, now));
+    };
+    let expires: i64 = row.try_get(5).map_err(pg_error)?;
+    let record = Record {
+        fingerprint,
+        // Not read: no decision looks at when a record was written, or at its metadata.
+        created_at: now,
+        expires_at: Timestamp(expires.max(0) as u64),
+        state,
+        meta: Meta::default(),
+    };
+    Ok((Some(record), now))
+}
+
+/// The fingerprint and state in a row whose columns from `at` on begin as [`columns`]
+/// and [`claim_columns`] do, or `None` if the key has no row.
+fn decode_decision(key: &Key, row: &Row, at: usize) -> Result<Option<(Fingerprint, State)>, Error> {
     let corrupt = |reason: String| Error::CorruptRecord {
         key: key.clone(),
         reason,
     };
-    let get = |i: usize| at + i;
-    let fingerprint: Option<Vec<u8>> = row.try_get(get(0)).map_err(pg_error)?;
+    let fingerprint: Option<Vec<u8>> = row.try_get(at).map_err(pg_error)?;
     let Some(fingerprint) = fingerprint else {
         return Ok(None);
     };
     let fingerprint: [u8; 32] = fingerprint
         .try_into()
         .map_err(|_| corrupt("fingerprint is not 32 bytes".into()))?;
-    let state: i16 = row.try_get(get(1)).map_err(pg_error)?;
-    let token: Vec<u8> = row.try_get(get(2)).map_err(pg_error)?;
+    let state: i16 = row.try_get(at + 1).map_err(pg_error)?;
+    let token: Vec<u8> = row.try_get(at + 2).map_err(pg_error)?;
     let token: [u8; 16] = token
         .try_into()
         .map_err(|_| corrupt("token is not 16 bytes".into()))?;
-    let lease: Option<i64> = row.try_get(get(3)).map_err(pg_error)?;
-    let payload: Option<Vec<u8>> = row.try_get(get(4)).map_err(pg_error)?;
+    let lease: Option<i64> = row.try_get(at + 3).map_err(pg_error)?;
+    let payload: Option<Vec<u8>> = row.try_get(at + 4).map_err(pg_error)?;
+    let state = match (state, lease, payload) {
+        (0, Some(lease), _) => State::InProgress {
+            token: Token(u128::from_be_bytes(token)),
+            lease_until: Timestamp(lease.max(0) as u64),
+        },
+        (1, _, Some(result)) => State::Completed { result },
+        (2, _, Some(error)) => State::Failed { error },
+        (state, ..) => return Err(corrupt(format!("state {state} with missing fields"))),
+    };
+    Ok(Some((Fingerprint::from_bytes(fingerprint), state)))
+}
+
+/// The record in a row whose columns from `at` on are [`columns`], or `None` if the key
+/// has no row.
+fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> {
+    let Some((fingerprint, state)) = decode_decision(key, row, at)? else {
+        return Ok(None);
+    };
+    let get = |i: usize| at + i;
     let created: i64 = row.try_get(get(5)).map_err(pg_error)?;
     let expires: i64 = row.try_get(get(6)).map_err(pg_error)?;
     let text = |i: usize| -> Result<Option<std::sync::Arc<str>>, Error> {
@@ -1057,15 +1116,6 @@ fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> 
         Ok(n.max(0) as u32)
     };
     let at = |ms: i64| Timestamp(ms.max(0) as u64);
-    let state = match (state, lease, payload) {
-        (0, Some(lease), _) => State::InProgress {
-            token: Token(u128::from_be_bytes(token)),
-            lease_until: at(lease),
-        },
-        (1, _, Some(result)) => State::Completed { result },
-        (2, _, Some(error)) => State::Failed { error },
-        (state, ..) => return Err(corrupt(format!("state {state} with missing fields"))),
-    };
     let done = !matches!(state, State::InProgress { .. });
     let origin = match (run_id, tool) {
         (Some(run_id), Some(tool)) => Some(Origin {
@@ -1077,7 +1127,7 @@ fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> 
         _ => None,
     };
     Ok(Some(Record {
-        fingerprint: Fingerprint::from_bytes(fingerprint),
+        fingerprint,
         created_at: at(created),
         expires_at: at(expires),
         state,
@@ -1144,10 +1194,14 @@ impl Store for PostgresStore {
                     .query_one(&stmt, &params[..9])
                     .await
                     .map_err(pg_error)?;
-                if row.try_get::<_, i64>(COLUMN_COUNT + 1).map_err(pg_error)? == 1 {
+                if row
+                    .try_get::<_, i64>(CLAIM_COLUMN_COUNT + 1)
+                    .map_err(pg_error)?
+                    == 1
+                {
                     return Ok(Claim::Acquired { took_over: false });
                 }
-                let (Some(current), now) = decode_read(key, &row)? else {
+                let (Some(current), now) = decode_claim_read(key, &row)? else {
                     // Not inserted, yet no row to see: another caller's claim committed
                     // after this statement's snapshot was taken. Look again.
                     continue;
