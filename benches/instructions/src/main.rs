@@ -24,7 +24,11 @@
 //! The result is a 3-field struct that derives `PartialEq`, so the read-back check
 //! compares by it.
 //!
-//! `--calls N` changes the smaller count (the larger is 3 N).
+//! `--calls N` changes the smaller count (the larger is 3 N). With `--store postgres`
+//! (and `IDEM_POSTGRES_URL`), the same paths run on a `PostgresStore` (a table of each
+//! child's own), with two more rows beside them: the floor's `SELECT` by primary key
+//! and two commits (an `INSERT`, an `UPDATE`) on the store's own pool. Only this
+//! process's instructions are counted, the client's: the server's work is not in them.
 
 use std::process::Command;
 
@@ -114,29 +118,107 @@ async fn call(path: Option<&str>, tool: &idem::Tool, run: &idem::Run, i: u64) ->
     result.unwrap_or_else(|_| panic!("the call failed"))
 }
 
-/// The child: `calls` calls of `path` after one that fills the store.
-fn child(path: Option<&str>, calls: u64) {
+/// The child: `calls` calls of `path` on `store` after one that fills it.
+fn child(store: &str, path: Option<&str>, calls: u64) {
     let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
         .build()
         .expect("a runtime");
-    let run = idem::Run::new("run").with_store(idem::MemoryStore::new());
-    let tool = idem::Tool::new("owned").ttl(std::time::Duration::from_secs(86_400));
-    runtime.block_on(run.clone().scope(async move {
-        call(Some("hit"), &tool, &run, u64::MAX).await;
-        call(Some("tool-hit"), &tool, &run, u64::MAX).await;
-        for i in 0..calls {
-            std::hint::black_box(call(path, &tool, &run, i).await);
+    runtime.block_on(async move {
+        let (run, postgres) = match store {
+            "postgres" => {
+                let url = std::env::var("IDEM_POSTGRES_URL").expect("IDEM_POSTGRES_URL");
+                let table = format!("idem_instructions_{}", std::process::id());
+                let store = idem::PostgresStore::builder(&url)
+                    .table(&table)
+                    .connect()
+                    .await
+                    .expect("a Postgres store");
+                let floor = Floor::new(&store, &table).await;
+                (idem::Run::new("run").with_store(store), Some(floor))
+            }
+            _ => (idem::Run::new("run").with_store(idem::MemoryStore::new()), None),
+        };
+        let tool = idem::Tool::new("owned").ttl(std::time::Duration::from_secs(86_400));
+        run.clone()
+            .scope(async {
+                call(Some("hit"), &tool, &run, u64::MAX).await;
+                call(Some("tool-hit"), &tool, &run, u64::MAX).await;
+                if let Some(floor) = &postgres {
+                    floor.two_commits(-1).await;
+                }
+                for i in 0..calls {
+                    match (path, &postgres) {
+                        (Some("floor-hit"), Some(floor)) => floor.select(-1).await,
+                        (Some("floor-miss"), Some(floor)) => floor.two_commits(i as i64).await,
+                        _ => drop(std::hint::black_box(call(path, &tool, &run, i).await)),
+                    }
+                }
+            })
+            .await;
+        if let Some(floor) = postgres {
+            floor.drop_tables().await;
         }
-    }));
+    });
 }
 
-/// The instructions callgrind counts for the child running `path` `calls` times.
-fn instructions(path: &str, calls: u64) -> u64 {
+/// The Postgres floors, on a table beside the store's, on the store's pool.
+struct Floor {
+    store: idem::PostgresStore,
+    store_table: String,
+    table: String,
+}
+
+impl Floor {
+    async fn new(store: &idem::PostgresStore, store_table: &str) -> Floor {
+        let table = format!("{store_table}_floor");
+        let client = store.pool().get().await.expect("a connection");
+        client
+            .batch_execute(&format!("CREATE TABLE {table} (k int8 PRIMARY KEY, v bytea)"))
+            .await
+            .expect("the floor's table");
+        Floor {
+            store: store.clone(),
+            store_table: store_table.to_owned(),
+            table,
+        }
+    }
+
+    /// One `SELECT` by primary key.
+    async fn select(&self, k: i64) {
+        let client = self.store.pool().get().await.expect("a connection");
+        let sql = format!("SELECT v FROM {} WHERE k = $1", self.table);
+        let stmt = client.prepare_cached(&sql).await.expect("prepared");
+        std::hint::black_box(client.query_opt(&stmt, &[&k]).await.expect("a row"));
+    }
+
+    /// Two commits on a new row `k`: an `INSERT`, then an `UPDATE`.
+    async fn two_commits(&self, k: i64) {
+        for (sql, v) in [
+            (format!("INSERT INTO {} (k, v) VALUES ($1, $2)", self.table), &b"claim"[..]),
+            (format!("UPDATE {} SET v = $2 WHERE k = $1", self.table), &b"result"[..]),
+        ] {
+            let client = self.store.pool().get().await.expect("a connection");
+            let stmt = client.prepare_cached(&sql).await.expect("prepared");
+            client.execute(&stmt, &[&k, &v]).await.expect("written");
+        }
+    }
+
+    async fn drop_tables(self) {
+        let client = self.store.pool().get().await.expect("a connection");
+        let sql = format!("DROP TABLE {}; DROP TABLE {}", self.table, self.store_table);
+        client.batch_execute(&sql).await.expect("dropped");
+    }
+}
+
+/// The instructions callgrind counts for the child running `path` `calls` times on
+/// `store`.
+fn instructions(store: &str, path: &str, calls: u64) -> u64 {
     let me = std::env::current_exe().expect("this program's path");
     let output = Command::new("valgrind")
         .args(["--tool=callgrind", "--callgrind-out-file=/dev/null"])
         .arg(me)
-        .args(["--child", path, &calls.to_string()])
+        .args(["--child", store, path, &calls.to_string()])
         .output()
         .expect("run valgrind (is it installed?)");
     let text = String::from_utf8_lossy(&output.stderr);
@@ -148,33 +230,56 @@ fn instructions(path: &str, calls: u64) -> u64 {
 }
 
 /// Instructions per call of `path`: the difference of `3 calls` and `calls` calls.
-fn per_call(path: &str, calls: u64) -> f64 {
-    let (few, many) = (instructions(path, calls), instructions(path, 3 * calls));
+fn per_call(store: &str, path: &str, calls: u64) -> f64 {
+    let (few, many) = (
+        instructions(store, path, calls),
+        instructions(store, path, 3 * calls),
+    );
     (many as f64 - few as f64) / (2 * calls) as f64
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
-        ["--child", path, calls] => {
-            let calls = calls.parse().expect("a number of calls");
-            child(PATHS.iter().any(|(p, _)| *p == path).then_some(path), calls)
+    let (mut calls, mut store) = (1_000, "memory".to_owned());
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--child" => {
+                let mut next = || args.next().expect("--child STORE PATH CALLS");
+                let (store, path, calls) = (next(), next(), next());
+                let calls = calls.parse().expect("a number of calls");
+                let known = PATHS.iter().chain(&FLOORS).any(|(p, _)| *p == path);
+                return child(&store, known.then_some(path.as_str()), calls);
+            }
+            "--calls" => {
+                calls = args
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .expect("--calls takes a number")
+            }
+            "--store" => store = args.next().expect("--store takes memory or postgres"),
+            other => panic!("unknown argument {other}; expected --calls N, --store memory|postgres"),
         }
-        [] => run(1_000),
-        ["--calls", calls] => run(calls.parse().expect("--calls takes a number")),
-        _ => panic!("expected no argument, or --calls N"),
     }
+    run(&store, calls);
 }
 
-fn run(calls: u64) {
-    let base = per_call("loop", calls);
+/// The floors' paths, measured on a network store only.
+const FLOORS: [(&str, &str); 2] = [
+    ("floor-hit", "floor: one SELECT"),
+    ("floor-miss", "floor: two commits"),
+];
+
+fn run(store: &str, calls: u64) {
+    let base = per_call(store, "loop", calls);
     println!(
-        "instructions per call (callgrind; {calls} and {} calls, MemoryStore, current-thread runtime)\n",
+        "instructions per call (callgrind; {calls} and {} calls, {store} store, current-thread runtime)\n",
         3 * calls
     );
     println!("{:<24} {:>12}", "path", "instructions");
-    for (path, label) in PATHS {
-        println!("{label:<24} {:>12.0}", per_call(path, calls) - base);
+    let floors = if store == "memory" { &[][..] } else { &FLOORS[..] };
+    for (path, label) in PATHS.iter().chain(floors) {
+        println!("{label:<24} {:>12.0}", per_call(store, path, calls) - base);
     }
     println!("\n(the loop alone, subtracted above: {base:.0})");
 }

@@ -937,8 +937,12 @@ impl PostgresStore {
         net::bounded(STORE, self.inner.timeout, f).await
     }
 
+    /// A pooled connection. The futures of the pool and of `tokio_postgres` are boxed
+    /// where the hot paths await them (`claim`, `modified`, `recorded`): each store
+    /// operation's future is moved into its own box and its timeout, and holding them
+    /// in line made every move copy them (a Postgres hit copied about 100 KB).
     async fn client(&self) -> Result<deadpool_postgres::Object, Error> {
-        self.inner.pool.get().await.map_err(pg_error)
+        Box::pin(self.inner.pool.get()).await.map_err(pg_error)
     }
 
     /// Reads the record under `key` (expired or not) and the database time.
@@ -964,8 +968,12 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, Error> {
         let client = self.client().await?;
-        let stmt = client.prepare_cached(sql).await.map_err(pg_error)?;
-        client.execute(&stmt, params).await.map_err(pg_error)
+        let stmt = Box::pin(client.prepare_cached(sql))
+            .await
+            .map_err(pg_error)?;
+        Box::pin(client.execute(&stmt, params))
+            .await
+            .map_err(pg_error)
     }
 
     /// Records an outcome with `sql`, whose last parameter is the result's text for the
@@ -980,8 +988,8 @@ impl PostgresStore {
     ) -> Result<u64, Error> {
         let client = self.client().await?;
         let first = async {
-            let stmt = client.prepare_cached(sql).await?;
-            client.execute(&stmt, params).await
+            let stmt = Box::pin(client.prepare_cached(sql)).await?;
+            Box::pin(client.execute(&stmt, params)).await
         };
         match first.await {
             Ok(n) => Ok(n),
@@ -1186,12 +1194,11 @@ impl Store for PostgresStore {
                 &request.retry_failed,
             ];
             for _ in 0..CLAIM_ATTEMPTS {
-                let stmt = client
-                    .prepare_cached(&self.inner.sql.claim_fresh)
+                // Each statement's future in a box of its own (see `client`).
+                let stmt = Box::pin(client.prepare_cached(&self.inner.sql.claim_fresh))
                     .await
                     .map_err(pg_error)?;
-                let row = client
-                    .query_one(&stmt, &params[..9])
+                let row = Box::pin(client.query_one(&stmt, &params[..9]))
                     .await
                     .map_err(pg_error)?;
                 if row
@@ -1210,11 +1217,12 @@ impl Store for PostgresStore {
                 if write.is_none() {
                     return Ok(in_local_clock(claim, now));
                 }
-                let stmt = client
-                    .prepare_cached(&self.inner.sql.claim)
+                let stmt = Box::pin(client.prepare_cached(&self.inner.sql.claim))
                     .await
                     .map_err(pg_error)?;
-                let claimed = client.query_opt(&stmt, &params).await.map_err(pg_error)?;
+                let claimed = Box::pin(client.query_opt(&stmt, &params))
+                    .await
+                    .map_err(pg_error)?;
                 if claimed.is_some() {
                     return Ok(claim);
                 }
