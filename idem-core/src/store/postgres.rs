@@ -940,7 +940,8 @@ impl PostgresStore {
     /// A pooled connection. The futures of the pool and of `tokio_postgres` are boxed
     /// where the hot paths await them (`claim`, `modified`, `recorded`): each store
     /// operation's future is moved into its own box and its timeout, and holding them
-    /// in line made every move copy them all (a quarter of a hit's client instructions were `memcpy`).
+    /// in line made every move copy them all (a quarter of a hit's client
+    /// instructions were `memcpy`).
     async fn client(&self) -> Result<deadpool_postgres::Object, Error> {
         Box::pin(self.inner.pool.get()).await.map_err(pg_error)
     }
