@@ -22,10 +22,16 @@
 //!   by a flush on a blocking thread, for a miss (sled 0.34's `flush_async` blocks its
 //!   own pool's threads and hangs under 64 concurrent flushes; concurrent `flush`es
 //!   share the log's writes);
-//! - Postgres: one `SELECT` by primary key for a hit; two commits (an `INSERT`, then an
-//!   `UPDATE`) for a miss;
-//! - Redis: one `GET` for a hit; a claim (`SET NX GET`) and a fenced write (a script)
-//!   for a miss.
+//! - Postgres: the key, one `SELECT` by primary key (a `text` key, as idem's) and a
+//!   decode for a hit; the key, two commits (an `INSERT`, then an `UPDATE` writing the
+//!   encoded result) for a miss;
+//! - Redis: the key, one `GET` and a decode for a hit; the key, a claim (`SET NX GET`)
+//!   and the encoded result written by a fenced script for a miss.
+//!
+//! Every floor derives the key and decodes or encodes the result, as a caller doing
+//! this by hand must; only the store's work differs. Each cell also gives the CPU time
+//! per call of this process and of the server's processes, where they run on this
+//! machine (read from Linux's `/proc`).
 //!
 //! The input is the bench example's 513-byte email and the result its 114-byte message
 //! id. It prints calls per second, the median and the 99th percentile latency, and
@@ -61,11 +67,50 @@ struct Measured {
     per_second: f64,
     p50: Duration,
     p99: Duration,
+    /// CPU time per call of this process and of the server's processes, where known.
+    cpu: Option<(Duration, Duration)>,
+}
+
+/// The CPU time (in nanoseconds) spent so far by this process (its `/proc/self/stat`,
+/// in ticks of 10 ms, threads that ended included) and by the processes named `server`
+/// on this machine (each thread's `schedstat`, in nanoseconds), or `None` where Linux's
+/// `/proc` cannot be read. A server on another machine counts as zero.
+fn cpu_time(server: Option<&str>) -> Option<(u64, u64)> {
+    // utime and stime, the 14th and 15th fields, counted after the command's `)`.
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // Linux reports these in USER_HZ, which is 100 on every architecture it runs on.
+    let client = ticks * 10_000_000;
+    let mut server_ns = 0;
+    if let Some(name) = server {
+        for process in std::fs::read_dir("/proc").ok()?.flatten() {
+            let comm = std::fs::read_to_string(process.path().join("comm")).unwrap_or_default();
+            if comm.trim_end() != name {
+                continue;
+            }
+            for task in std::fs::read_dir(process.path().join("task"))
+                .into_iter()
+                .flatten()
+            {
+                let Ok(task) = task else { continue };
+                let stat = std::fs::read_to_string(task.path().join("schedstat"));
+                // A thread that ended in between is no longer counted, whatever it spent.
+                if let Some(ns) = stat
+                    .ok()
+                    .and_then(|s| s.split(' ').next()?.parse::<u64>().ok())
+                {
+                    server_ns += ns;
+                }
+            }
+        }
+    }
+    Some((client, server_ns))
 }
 
 /// Runs `op(task)` in a loop from `tasks` tasks for `time`, after one untimed call from
 /// each (which fills a hit's record); each call is timed.
-async fn drive<F, Fut>(tasks: usize, time: Duration, op: F) -> Measured
+async fn drive<F, Fut>(tasks: usize, time: Duration, server: Option<&str>, op: F) -> Measured
 where
     F: Fn(u64) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send,
@@ -93,6 +138,7 @@ where
         })
         .collect();
     ready.wait().await;
+    let cpu_before = cpu_time(server);
     let started = Instant::now();
     *deadline.lock().unwrap() = Some(started + time);
     ready.wait().await;
@@ -101,12 +147,22 @@ where
         latencies.extend(handle.await.unwrap());
     }
     let elapsed = started.elapsed();
+    let cpu_after = cpu_time(server);
+    let calls = latencies.len() as u64;
+    let cpu = cpu_before.zip(cpu_after).map(|((c0, s0), (c1, s1))| {
+        let per_call = |ns: u64| Duration::from_nanos(ns / calls.max(1));
+        (
+            per_call(c1.saturating_sub(c0)),
+            per_call(s1.saturating_sub(s0)),
+        )
+    });
     latencies.sort_unstable();
     let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
     Measured {
         per_second: latencies.len() as f64 / elapsed.as_secs_f64(),
         p50: at(0.5),
         p99: at(0.99),
+        cpu,
     }
 }
 
@@ -121,22 +177,43 @@ struct Row {
 
 fn print(rows: &[Row]) {
     println!(
-        "{:<9} {:<5} {:>5} | {:>11} {:>9} {:>9} | {:>11} {:>9} {:>9} | {:>6}",
-        "store", "call", "tasks", "idem /s", "p50", "p99", "floor /s", "p50", "p99", "ratio"
+        "{:<9} {:<5} {:>5} | {:>8} {:>8} {:>8} {:>11} | {:>8} {:>8} {:>8} {:>11} | {:>6}",
+        "store",
+        "call",
+        "tasks",
+        "idem /s",
+        "p50",
+        "p99",
+        "CPU c+s",
+        "floor /s",
+        "p50",
+        "p99",
+        "CPU c+s",
+        "ratio"
     );
     let us = |d: Duration| format!("{:.0} µs", d.as_secs_f64() * 1e6);
+    let cpu = |m: &Measured| match m.cpu {
+        Some((client, server)) => format!(
+            "{:.1}+{:.1}",
+            client.as_secs_f64() * 1e6,
+            server.as_secs_f64() * 1e6
+        ),
+        None => "-".to_owned(),
+    };
     for row in rows {
         println!(
-            "{:<9} {:<5} {:>5} | {:>11.0} {:>9} {:>9} | {:>11.0} {:>9} {:>9} | {:>5.2}x",
+            "{:<9} {:<5} {:>5} | {:>8.0} {:>8} {:>8} {:>11} | {:>8.0} {:>8} {:>8} {:>11} | {:>5.2}x",
             row.store,
             row.kind,
             row.tasks,
             row.idem.per_second,
             us(row.idem.p50),
             us(row.idem.p99),
+            cpu(&row.idem),
             row.floor.per_second,
             us(row.floor.p50),
             us(row.floor.p99),
+            cpu(&row.floor),
             row.idem.per_second / row.floor.per_second,
         );
     }
@@ -147,6 +224,7 @@ fn print(rows: &[Row]) {
 async fn rows<F, Fut>(
     rows: &mut Vec<Row>,
     store: &'static str,
+    server: Option<&'static str>,
     make_run: impl Fn(&str) -> Run,
     time: Duration,
     floor: F,
@@ -158,7 +236,7 @@ async fn rows<F, Fut>(
         for tasks in TASKS {
             eprintln!("{store}: {kind}, {tasks} tasks");
             let run = make_run(&format!("throughput-{store}-{kind}-{tasks}"));
-            let idem = drive(tasks, time, move |task| {
+            let idem = drive(tasks, time, server, move |task| {
                 let run = run.clone();
                 async move {
                     let n = if hit { HITS + task } else { next() };
@@ -168,7 +246,7 @@ async fn rows<F, Fut>(
             .await;
             eprintln!("{store}: {kind}, {tasks} tasks, the floor");
             let floor = floor.clone();
-            let floor = drive(tasks, time, move |task| {
+            let floor = drive(tasks, time, server, move |task| {
                 let n = if hit { HITS + task } else { next() };
                 floor(hit, n)
             })
@@ -279,7 +357,7 @@ async fn memory(table: &mut Vec<Row>, time: Duration) {
         }
     };
     let run = |id: &str| Run::new(id).with_store(memory.clone());
-    rows(table, "memory", run, time, floor).await;
+    rows(table, "memory", None, run, time, floor).await;
 }
 
 /// The sled store, and a sled database of its own.
@@ -311,7 +389,7 @@ async fn sled(table: &mut Vec<Row>, time: Duration) {
         }
     };
     let run = |id: &str| Run::new(id).with_store(store.clone());
-    rows(table, "sled", run, time, floor).await;
+    rows(table, "sled", None, run, time, floor).await;
 }
 
 /// The Postgres store with a table of its own, and the floor's table on its pool.
@@ -325,15 +403,16 @@ async fn postgres(table: &mut Vec<Row>, time: Duration, url: &str) {
     let floor_call = move |hit, n: u64| {
         let floor = Arc::clone(&floor_of_rows);
         async move {
+            let input = email(n, BODY);
             // A hit's first call writes the row it reads from then on.
-            if hit && floor.query_found(n as i64).await {
+            if hit && floor.keyed_hit(&input).await {
                 return;
             }
-            floor.two_commits(n as i64).await;
+            floor.keyed_miss(&input).await;
         }
     };
     let run = |id: &str| Run::new(id).with_shared_store(Arc::clone(&store));
-    rows(table, "postgres", run, time, floor_call).await;
+    rows(table, "postgres", Some("postgres"), run, time, floor_call).await;
     floor.drop_tables(&table_name).await;
 }
 
@@ -350,14 +429,14 @@ async fn redis(table: &mut Vec<Row>, time: Duration, url: &str) {
     let floor_call = move |hit, n| {
         let (floor, prefix) = (Arc::clone(&floor_of_rows), floor_prefix.clone());
         async move {
-            if hit {
-                floor.round_trip().await;
-            } else {
-                floor.fenced_miss(&prefix, n).await;
+            let input = email(n, BODY);
+            if hit && floor.keyed_hit(&prefix, &input).await {
+                return;
             }
+            floor.keyed_miss(&prefix, &input).await;
         }
     };
     let run = |id: &str| Run::new(id).with_shared_store(Arc::clone(&store));
-    rows(table, "redis", run, time, floor_call).await;
+    rows(table, "redis", Some("redis-server"), run, time, floor_call).await;
     floor.clean(&prefix).await;
 }

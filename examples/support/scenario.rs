@@ -185,6 +185,12 @@ pub fn floor_key(input: &SendEmail) -> [u8; 64] {
     hex
 }
 
+/// The text a hand-written floor keys `input` by: the tool's name and [`floor_key`].
+pub fn keyed(input: &SendEmail) -> String {
+    let hex = floor_key(input);
+    format!("send_email.{}", std::str::from_utf8(&hex).unwrap())
+}
+
 /// The Redis floor: one `GET` round trip on a plain multiplexed connection, of a value
 /// as long as a hit's record (168 bytes: the 54-byte header and the 114-byte result),
 /// as the Postgres floor reads a row that exists.
@@ -227,6 +233,12 @@ impl RedisFloor {
     /// written only while the claim is still there, which on Redis 7 takes a script
     /// (`GET`, compare, `SET`): two round trips, the second of them a script.
     pub async fn fenced_miss(&self, prefix: &str, k: u64) {
+        self.fenced_write(&format!("{prefix}floor-{k}"), &[7u8; 168])
+            .await;
+    }
+
+    /// A 78-byte claim of the new `key`, then `record` written while it is there.
+    async fn fenced_write(&self, key: &str, record: &[u8]) {
         static FENCED: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
             redis::Script::new(
                 "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -234,11 +246,10 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1",
             )
         });
-        let key = format!("{prefix}floor-{k}");
         let claim = [1u8; 78];
         let mut c = self.connection.clone();
         let found: Option<Vec<u8>> = redis::cmd("SET")
-            .arg(&key)
+            .arg(key)
             .arg(&claim[..])
             .arg("NX")
             .arg("GET")
@@ -249,14 +260,43 @@ return 1",
             .unwrap();
         assert!(found.is_none(), "the floor's key {key} was not new");
         let applied: i64 = FENCED
-            .key(&key)
+            .key(key)
             .arg(&claim[..])
-            .arg(&[7u8; 168][..])
+            .arg(record)
             .arg(600_000)
             .invoke_async(&mut c)
             .await
             .unwrap();
         assert_eq!(applied, 1);
+    }
+
+    /// A hit done by hand: the key of `input`, one `GET` of it under `prefix`, and the
+    /// result decoded from the value's tail (past a 54-byte header, as a record's).
+    /// False if the key is missing.
+    pub async fn keyed_hit(&self, prefix: &str, input: &SendEmail) -> bool {
+        let key = format!("{prefix}{}", keyed(input));
+        let mut c = self.connection.clone();
+        let value: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let Some(value) = value else {
+            return false;
+        };
+        let id: MessageId = serde_json::from_slice(&value[54..]).unwrap();
+        std::hint::black_box(id);
+        true
+    }
+
+    /// A fenced miss done by hand: the key of `input`, its claim (`SET NX GET PX`, 78
+    /// bytes), and the result encoded behind a 54-byte header and written by the
+    /// script while the claim is there.
+    pub async fn keyed_miss(&self, prefix: &str, input: &SendEmail) {
+        let key = format!("{prefix}{}", keyed(input));
+        let mut record = vec![7u8; 54];
+        serde_json::to_writer(&mut record, &message_id()).unwrap();
+        self.fenced_write(&key, &record).await;
     }
 
     /// Deletes every key under `prefix` (what a benchmark's store wrote).
@@ -337,7 +377,8 @@ impl PostgresFloor {
             .await
             .unwrap()
             .batch_execute(&format!(
-                "CREATE TABLE {table} (k int8 PRIMARY KEY, v bytea)"
+                "CREATE TABLE {table} (k int8 PRIMARY KEY, v bytea); \
+                 CREATE TABLE {table}_keyed (k text PRIMARY KEY, v bytea)"
             ))
             .await
             .unwrap();
@@ -357,11 +398,43 @@ impl PostgresFloor {
         client.query_opt(&stmt, &[&k]).await.unwrap();
     }
 
-    /// One query: `SELECT` by primary key; whether row `k` exists.
-    pub async fn query_found(&self, k: i64) -> bool {
+    /// A hit done by hand, as a caller would without idem: the key of `input` (its
+    /// JSON streamed into SHA-256, as text beside the tool's name), one `SELECT` of it
+    /// on a table keyed by text, and the result decoded. False if the row is missing.
+    pub async fn keyed_hit(&self, input: &SendEmail) -> bool {
+        let key = keyed(input);
         let client = self.pool.get().await.unwrap();
-        let stmt = client.prepare_cached(&self.select).await.unwrap();
-        client.query_opt(&stmt, &[&k]).await.unwrap().is_some()
+        let select = format!("SELECT v FROM {}_keyed WHERE k = $1", self.table);
+        let stmt = client.prepare_cached(&select).await.unwrap();
+        let Some(row) = client.query_opt(&stmt, &[&key]).await.unwrap() else {
+            return false;
+        };
+        let bytes: &[u8] = row.get(0);
+        let id: MessageId = serde_json::from_slice(bytes).unwrap();
+        std::hint::black_box(id);
+        true
+    }
+
+    /// A miss done by hand on the text-keyed table: the key, a claim committed (a
+    /// 78-byte `INSERT`), the result encoded and committed (an `UPDATE`).
+    pub async fn keyed_miss(&self, input: &SendEmail) {
+        let key = keyed(input);
+        let t = &self.table;
+        let result = serde_json::to_vec(&message_id()).unwrap();
+        for (sql, v) in [
+            (
+                format!("INSERT INTO {t}_keyed (k, v) VALUES ($1, $2)"),
+                &[0u8; 78][..],
+            ),
+            (
+                format!("UPDATE {t}_keyed SET v = $2 WHERE k = $1"),
+                &result[..],
+            ),
+        ] {
+            let client = self.pool.get().await.unwrap();
+            let stmt = client.prepare_cached(&sql).await.unwrap();
+            client.execute(&stmt, &[&key, &v]).await.unwrap();
+        }
     }
 
     /// Two commits on row `k` (which must not exist yet).
@@ -383,8 +456,8 @@ impl PostgresFloor {
             .await
             .unwrap()
             .batch_execute(&format!(
-                "DROP TABLE {store_table}; DROP TABLE {}",
-                self.table
+                "DROP TABLE {store_table}; DROP TABLE {t}; DROP TABLE {t}_keyed",
+                t = self.table
             ))
             .await
             .unwrap();

@@ -29,6 +29,10 @@
 //! child's own), with two more rows beside them: the floor's `SELECT` by primary key
 //! and two commits (an `INSERT`, an `UPDATE`) on the store's own pool. Only this
 //! process's instructions are counted, the client's: the server's work is not in them.
+//! With `--store redis` (and `IDEM_REDIS_URL`), the same on a `RedisStore` (under a
+//! prefix of each child's own), beside a `GET` of a 168-byte value (a hit's record) and
+//! a fenced miss done by hand: `SET NX GET`, then a script that writes the record
+//! while the claim is still there.
 
 use std::process::Command;
 
@@ -125,7 +129,7 @@ fn child(store: &str, path: Option<&str>, calls: u64) {
         .build()
         .expect("a runtime");
     runtime.block_on(async move {
-        let (run, postgres) = match store {
+        let (run, floor) = match store {
             "postgres" => {
                 let url = std::env::var("IDEM_POSTGRES_URL").expect("IDEM_POSTGRES_URL");
                 let table = format!("idem_instructions_{}", std::process::id());
@@ -134,54 +138,99 @@ fn child(store: &str, path: Option<&str>, calls: u64) {
                     .connect()
                     .await
                     .expect("a Postgres store");
-                let floor = Floor::new(&store, &table).await;
+                let floor = Floor::Postgres(PostgresFloor::new(&store, &table).await);
                 (idem::Run::new("run").with_store(store), Some(floor))
             }
-            _ => (idem::Run::new("run").with_store(idem::MemoryStore::new()), None),
+            "redis" => {
+                let url = std::env::var("IDEM_REDIS_URL").expect("IDEM_REDIS_URL");
+                let prefix = format!("idem-instructions-{}:", std::process::id());
+                let store = idem::RedisStore::builder(&url)
+                    .prefix(&prefix)
+                    .connect()
+                    .await
+                    .expect("a Redis store");
+                let floor = Floor::Redis(RedisFloor::new(&url, prefix).await);
+                (idem::Run::new("run").with_store(store), Some(floor))
+            }
+            _ => (
+                idem::Run::new("run").with_store(idem::MemoryStore::new()),
+                None,
+            ),
         };
         let tool = idem::Tool::new("owned").ttl(std::time::Duration::from_secs(86_400));
         run.clone()
             .scope(async {
                 call(Some("hit"), &tool, &run, u64::MAX).await;
                 call(Some("tool-hit"), &tool, &run, u64::MAX).await;
-                if let Some(floor) = &postgres {
-                    floor.two_commits(-1).await;
-                }
                 for i in 0..calls {
-                    match (path, &postgres) {
-                        (Some("floor-hit"), Some(floor)) => floor.select(-1).await,
-                        (Some("floor-miss"), Some(floor)) => floor.two_commits(i as i64).await,
+                    match (path, &floor) {
+                        (Some("floor-hit"), Some(floor)) => floor.hit().await,
+                        (Some("floor-miss"), Some(floor)) => floor.miss(i).await,
                         _ => drop(std::hint::black_box(call(path, &tool, &run, i).await)),
                     }
                 }
             })
             .await;
-        if let Some(floor) = postgres {
-            floor.drop_tables().await;
+        if let Some(floor) = floor {
+            floor.clean().await;
         }
     });
 }
 
+/// A network store's floors: the least a hand-written hit and miss do on it.
+enum Floor {
+    Postgres(PostgresFloor),
+    Redis(RedisFloor),
+}
+
+impl Floor {
+    async fn hit(&self) {
+        match self {
+            Floor::Postgres(floor) => floor.select(-1).await,
+            Floor::Redis(floor) => floor.get().await,
+        }
+    }
+
+    async fn miss(&self, i: u64) {
+        match self {
+            Floor::Postgres(floor) => floor.two_commits(i as i64).await,
+            Floor::Redis(floor) => floor.fenced_miss(i).await,
+        }
+    }
+
+    async fn clean(self) {
+        match self {
+            Floor::Postgres(floor) => floor.drop_tables().await,
+            Floor::Redis(floor) => floor.clean().await,
+        }
+    }
+}
+
 /// The Postgres floors, on a table beside the store's, on the store's pool.
-struct Floor {
+struct PostgresFloor {
     store: idem::PostgresStore,
     store_table: String,
     table: String,
 }
 
-impl Floor {
-    async fn new(store: &idem::PostgresStore, store_table: &str) -> Floor {
+impl PostgresFloor {
+    /// Makes the floor's table, with row `-1` for the hits to read.
+    async fn new(store: &idem::PostgresStore, store_table: &str) -> PostgresFloor {
         let table = format!("{store_table}_floor");
         let client = store.pool().get().await.expect("a connection");
         client
-            .batch_execute(&format!("CREATE TABLE {table} (k int8 PRIMARY KEY, v bytea)"))
+            .batch_execute(&format!(
+                "CREATE TABLE {table} (k int8 PRIMARY KEY, v bytea)"
+            ))
             .await
             .expect("the floor's table");
-        Floor {
+        let floor = PostgresFloor {
             store: store.clone(),
             store_table: store_table.to_owned(),
             table,
-        }
+        };
+        floor.two_commits(-1).await;
+        floor
     }
 
     /// One `SELECT` by primary key.
@@ -195,8 +244,14 @@ impl Floor {
     /// Two commits on a new row `k`: an `INSERT`, then an `UPDATE`.
     async fn two_commits(&self, k: i64) {
         for (sql, v) in [
-            (format!("INSERT INTO {} (k, v) VALUES ($1, $2)", self.table), &b"claim"[..]),
-            (format!("UPDATE {} SET v = $2 WHERE k = $1", self.table), &b"result"[..]),
+            (
+                format!("INSERT INTO {} (k, v) VALUES ($1, $2)", self.table),
+                &b"claim"[..],
+            ),
+            (
+                format!("UPDATE {} SET v = $2 WHERE k = $1", self.table),
+                &b"result"[..],
+            ),
         ] {
             let client = self.store.pool().get().await.expect("a connection");
             let stmt = client.prepare_cached(&sql).await.expect("prepared");
@@ -208,6 +263,97 @@ impl Floor {
         let client = self.store.pool().get().await.expect("a connection");
         let sql = format!("DROP TABLE {}; DROP TABLE {}", self.table, self.store_table);
         client.batch_execute(&sql).await.expect("dropped");
+    }
+}
+
+/// The Redis floors, on a multiplexed connection of their own, under the store's prefix.
+struct RedisFloor {
+    connection: redis::aio::MultiplexedConnection,
+    prefix: String,
+    script: redis::Script,
+}
+
+impl RedisFloor {
+    /// Connects, and writes the 168-byte value the hits read.
+    async fn new(url: &str, prefix: String) -> RedisFloor {
+        let client = redis::Client::open(url).expect("a Redis URL");
+        let mut connection = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("a Redis connection");
+        let _: () = redis::cmd("SET")
+            .arg(format!("{prefix}floor"))
+            .arg(&[7u8; 168][..])
+            .query_async(&mut connection)
+            .await
+            .expect("written");
+        let script = redis::Script::new(
+            "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1",
+        );
+        RedisFloor {
+            connection,
+            prefix,
+            script,
+        }
+    }
+
+    /// One `GET` of the floor's value.
+    async fn get(&self) {
+        let mut c = self.connection.clone();
+        let value: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(format!("{}floor", self.prefix))
+            .query_async(&mut c)
+            .await
+            .expect("read");
+        std::hint::black_box(value.expect("the floor's value"));
+    }
+
+    /// A claim (`SET NX GET PX`, 78 bytes) of a new key, then the 168-byte record
+    /// written by a script while the claim is still there.
+    async fn fenced_miss(&self, i: u64) {
+        let key = format!("{}floor-{i}", self.prefix);
+        let claim = [1u8; 78];
+        let mut c = self.connection.clone();
+        let found: Option<Vec<u8>> = redis::cmd("SET")
+            .arg(&key)
+            .arg(&claim[..])
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut c)
+            .await
+            .expect("claimed");
+        assert!(found.is_none(), "the floor's key {key} was not new");
+        let applied: i64 = self
+            .script
+            .key(&key)
+            .arg(&claim[..])
+            .arg(&[7u8; 168][..])
+            .arg(600_000)
+            .invoke_async(&mut c)
+            .await
+            .expect("written");
+        assert_eq!(applied, 1);
+    }
+
+    /// Deletes every key under the prefix.
+    async fn clean(self) {
+        let mut c = self.connection.clone();
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}*", self.prefix))
+            .query_async(&mut c)
+            .await
+            .expect("listed");
+        for chunk in keys.chunks(1000) {
+            let _: () = redis::cmd("UNLINK")
+                .arg(chunk)
+                .query_async(&mut c)
+                .await
+                .expect("deleted");
+        }
     }
 }
 
@@ -257,18 +403,21 @@ fn main() {
                     .and_then(|n| n.parse().ok())
                     .expect("--calls takes a number")
             }
-            "--store" => store = args.next().expect("--store takes memory or postgres"),
-            other => panic!("unknown argument {other}; expected --calls N, --store memory|postgres"),
+            "--store" => {
+                store = args
+                    .next()
+                    .expect("--store takes memory, postgres or redis")
+            }
+            other => panic!(
+                "unknown argument {other}; expected --calls N, --store memory|postgres|redis"
+            ),
         }
     }
     run(&store, calls);
 }
 
 /// The floors' paths, measured on a network store only.
-const FLOORS: [(&str, &str); 2] = [
-    ("floor-hit", "floor: one SELECT"),
-    ("floor-miss", "floor: two commits"),
-];
+const FLOORS: [(&str, &str); 2] = [("floor-hit", "floor: hit"), ("floor-miss", "floor: miss")];
 
 fn run(store: &str, calls: u64) {
     let base = per_call(store, "loop", calls);
@@ -277,7 +426,11 @@ fn run(store: &str, calls: u64) {
         3 * calls
     );
     println!("{:<24} {:>12}", "path", "instructions");
-    let floors = if store == "memory" { &[][..] } else { &FLOORS[..] };
+    let floors = if store == "memory" {
+        &[][..]
+    } else {
+        &FLOORS[..]
+    };
     for (path, label) in PATHS.iter().chain(floors) {
         println!("{label:<24} {:>12.0}", per_call(store, path, calls) - base);
     }
