@@ -365,6 +365,10 @@ pub struct PostgresFloor {
     select: String,
     insert: String,
     update: String,
+    /// The same three on the `text`-keyed table.
+    keyed_select: String,
+    keyed_insert: String,
+    keyed_update: String,
 }
 
 #[cfg(feature = "postgres")]
@@ -387,6 +391,9 @@ impl PostgresFloor {
             select: format!("SELECT v FROM {table} WHERE k = $1"),
             insert: format!("INSERT INTO {table} (k, v) VALUES ($1, $2)"),
             update: format!("UPDATE {table} SET v = $2 WHERE k = $1"),
+            keyed_select: format!("SELECT v FROM {table}_keyed WHERE k = $1"),
+            keyed_insert: format!("INSERT INTO {table}_keyed (k, v) VALUES ($1, $2)"),
+            keyed_update: format!("UPDATE {table}_keyed SET v = $2 WHERE k = $1"),
             table,
         }
     }
@@ -404,8 +411,7 @@ impl PostgresFloor {
     pub async fn keyed_hit(&self, input: &SendEmail) -> bool {
         let key = keyed(input);
         let client = self.pool.get().await.unwrap();
-        let select = format!("SELECT v FROM {}_keyed WHERE k = $1", self.table);
-        let stmt = client.prepare_cached(&select).await.unwrap();
+        let stmt = client.prepare_cached(&self.keyed_select).await.unwrap();
         let Some(row) = client.query_opt(&stmt, &[&key]).await.unwrap() else {
             return false;
         };
@@ -419,20 +425,13 @@ impl PostgresFloor {
     /// 78-byte `INSERT`), the result encoded and committed (an `UPDATE`).
     pub async fn keyed_miss(&self, input: &SendEmail) {
         let key = keyed(input);
-        let t = &self.table;
         let result = serde_json::to_vec(&message_id()).unwrap();
         for (sql, v) in [
-            (
-                format!("INSERT INTO {t}_keyed (k, v) VALUES ($1, $2)"),
-                &[0u8; 78][..],
-            ),
-            (
-                format!("UPDATE {t}_keyed SET v = $2 WHERE k = $1"),
-                &result[..],
-            ),
+            (&self.keyed_insert, &[0u8; 78][..]),
+            (&self.keyed_update, &result[..]),
         ] {
             let client = self.pool.get().await.unwrap();
-            let stmt = client.prepare_cached(&sql).await.unwrap();
+            let stmt = client.prepare_cached(sql).await.unwrap();
             client.execute(&stmt, &[&key, &v]).await.unwrap();
         }
     }
