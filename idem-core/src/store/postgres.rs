@@ -81,20 +81,23 @@ const STORE: &str = "postgres";
 ///   key has no row, and reads the row that was there and the database time:
 ///
 ///   ```sql
-///   WITH fresh AS (INSERT INTO idem_records (key, ...) VALUES ($1, ...)
+///   WITH found AS (SELECT fingerprint, state, token, lease_until, payload, expires_at
+///                  FROM idem_records WHERE key = $1),
+///        fresh AS (INSERT INTO idem_records (key, ...) SELECT $1, ...
+///                  WHERE NOT EXISTS (SELECT 1 FROM found)
 ///                  ON CONFLICT (key) DO NOTHING RETURNING 1)
-///   SELECT r.fingerprint, r.state, r.token, r.lease_until, r.payload, r.expires_at,
-///          now(), (SELECT count(*) FROM fresh)
-///   FROM (SELECT 1) AS one LEFT JOIN idem_records AS r ON r.key = $1
+///   SELECT found.*, now(), (SELECT count(*) FROM fresh)
+///   FROM (SELECT 1) AS one LEFT JOIN found ON true
 ///   ```
 ///
 ///   It reads what the claim decides by, no more: a record's metadata (origin, times,
 ///   counts) is written with the claim and read by the operator API, never by a hit.
 ///
 ///   A first call (the miss path) is claimed by it, so a miss is two statements and two
-///   commits: this one and the completion. When the key has a row, `DO NOTHING` takes
-///   no lock and writes nothing (the transaction stays read-only), and the row read
-///   back decides: a completed row (the hit path), a live claim or another fingerprint
+///   commits: this one and the completion. When the key has a row, nothing is inserted
+///   (the transaction stays read-only; a row that another caller committed after the
+///   statement's snapshot meets `DO NOTHING` instead, and the claim reads again), and
+///   the row read decides: a completed row (the hit path), a live claim or another fingerprint
 ///   needs nothing more, so a hit is one statement too. When the row is claimable
 ///   (expired, abandoned, failed), a second statement claims it, deciding again under
 ///   the row lock:
@@ -386,13 +389,26 @@ impl Sql {
              VALUES ($1, $2, 0, $3, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
                      now() + $5::int8 * interval '1 millisecond', $6, $7, $8, $9, now(), 1, 0)"
         );
+        // The same claim, inserted by a `SELECT` that a `WHERE` can make empty.
+        let insert_select = format!(
+            "INSERT INTO {t} AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at, \
+                 run_id, tenant, call_id, tool, claimed_at, attempts, takeovers) \
+             SELECT $1::text, $2::bytea, 0, $3::bytea, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
+                    now() + $5::int8 * interval '1 millisecond', $6::text, $7::text, $8::text, $9::text, now(), 1, 0"
+        );
         Sql {
             read: format!("{read} {from}"),
             // What the claim decides by (see `claim_columns`), not the whole row.
+            // The row is read first and the claim inserted only when the statement's
+            // snapshot sees none: a key with a row (a hit) then costs the server a read,
+            // not an insertion's conflict check on the primary key.
             claim_fresh: format!(
-                "WITH fresh AS ({insert} ON CONFLICT (key) DO NOTHING RETURNING 1) \
-                 SELECT {}, {now}, (SELECT count(*) FROM fresh) {from}",
-                claim_columns(),
+                "WITH found AS (SELECT {columns} FROM {t} AS r WHERE r.key = $1), \
+                 fresh AS ({insert_select} WHERE NOT EXISTS (SELECT 1 FROM found) \
+                     ON CONFLICT (key) DO NOTHING RETURNING 1) \
+                 SELECT found.*, {now}, (SELECT count(*) FROM fresh) \
+                 FROM (SELECT 1) AS one LEFT JOIN found ON true",
+                columns = claim_columns(),
                 now = ms("now()"),
             ),
             // An expired row starts a new history; a takeover or a retry goes on with
