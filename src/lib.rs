@@ -82,6 +82,8 @@ pub use idem_core::{PostgresStore, PostgresStoreBuilder};
 pub use idem_core::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sled")]
 pub use idem_core::{SledStore, SledStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use idem_core::{SqliteStore, SqliteStoreBuilder};
 pub use idem_macros::idempotent;
 
 /// For authors of stores: the [`Store`] trait and its contract, the claim rule, records,

@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 /// Work on the blocking pool, and its result to come (awaited by the sled store; the
 /// memory store only hands work off).
-#[cfg_attr(not(feature = "sled"), allow(dead_code))]
+#[cfg_attr(not(any(feature = "sled", feature = "sqlite")), allow(dead_code))]
 pub(crate) struct HandedOff<F, R> {
     /// The work, until a pool thread takes it.
     work: Arc<Mutex<Option<F>>>,
@@ -64,7 +64,7 @@ where
     Ok(HandedOff { work, result })
 }
 
-#[cfg(feature = "sled")]
+#[cfg(any(feature = "sled", feature = "sqlite"))]
 impl<F: FnOnce() -> R, R> HandedOff<F, R> {
     /// Waits for the work's result. Runs the work in place if the pool dropped it
     /// unrun (the runtime is shutting down); `None` if the work panicked.
@@ -78,7 +78,7 @@ impl<F: FnOnce() -> R, R> HandedOff<F, R> {
 
 /// Runs `work` on the blocking pool and waits for it, or runs it in place (see
 /// [`hand_off`]); `None` if it panicked on the pool.
-#[cfg(feature = "sled")]
+#[cfg(any(feature = "sled", feature = "sqlite"))]
 pub(crate) async fn run<F, R>(work: F) -> Option<R>
 where
     F: FnOnce() -> R + Send + 'static,

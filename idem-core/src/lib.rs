@@ -15,7 +15,7 @@
 //! | asking downstream what happened to an unknown outcome | `reconcile.rs` ([`Reconciled`]) |
 //! | the run context, `current_key`, the default store | [`Run`], [`current_key`], [`default_store`] |
 //! | a call's span, metrics and outcome ([`observe`]) | `telemetry.rs` ([`CallOutcome`], [`CallReport`]) |
-//! | the stores | [`MemoryStore`], [`SledStore`], `PostgresStore` (feature `postgres`), `RedisStore` (feature `redis`) |
+//! | the stores | [`MemoryStore`], [`SledStore`], `PostgresStore` (feature `postgres`), `RedisStore` (feature `redis`), `SqliteStore` (feature `sqlite`) |
 //! | replaying this process's results from memory, in front of a shared store | [`LocalCache`] |
 //! | removing expired records in the background | [`sweeper`] |
 //! | the store conformance suite (feature `testing`) | `testing` |
@@ -74,6 +74,8 @@ pub use store::postgres::{PostgresStore, PostgresStoreBuilder};
 pub use store::redis::{RedisStore, RedisStoreBuilder};
 #[cfg(feature = "sled")]
 pub use store::sled::{SledStore, SledStoreBuilder};
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::{SqliteStore, SqliteStoreBuilder};
 pub use store::Store;
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;

@@ -844,6 +844,8 @@ pub(crate) mod postgres;
 pub(crate) mod redis;
 #[cfg(feature = "sled")]
 pub(crate) mod sled;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;
 
 #[cfg(test)]
 mod tests {

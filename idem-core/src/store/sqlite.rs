@@ -1,0 +1,883 @@
+//! `SqliteStore`: records in one SQLite file that several processes on one machine
+//! share (feature `sqlite`).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rusqlite::types::{ToSqlOutput, ValueRef};
+use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row, TransactionBehavior};
+
+use crate::blocking;
+use crate::error::{Error, Fault};
+use crate::key::Fingerprint;
+use crate::key_text::Key;
+use crate::record::{Meta, Origin, Record, State, Timestamp, Token};
+use crate::store::{
+    decide_claim, decide_fenced, decide_resolution, page_by_key, Claim, ClaimRequest, Cursor,
+    Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind, Store, WALK_PAGE,
+};
+
+/// `SqliteStore`: records in one SQLite database file, which several processes on one
+/// machine open at once (feature `sqlite`; SQLite itself is compiled in, nothing to
+/// install).
+///
+/// ```no_run
+/// # fn main() -> Result<(), idem_core::Error> {
+/// let store = idem_core::SqliteStore::open("/var/lib/my-agent/idem.sqlite")?;
+/// # Ok(()) }
+/// ```
+///
+/// Choose it over the default sled store when more than one process uses the records:
+/// one MCP server process per client, an agent and a worker beside it, or an operator
+/// running the `idem` command while agents run. Choose Postgres or Redis when the
+/// processes are on several machines.
+///
+/// # Several processes
+///
+/// The database is in WAL mode: readers never wait for the writer, and writes take
+/// SQLite's one write lock for a few statements. Every claim, completion, renewal and
+/// release is one `BEGIN IMMEDIATE` transaction that reads the record, decides with
+/// the same rules as every other store ([`decide_claim`], [`decide_fenced`]) and writes
+/// it back: of any number of processes claiming one key, one acquires it. Times are
+/// this machine's clock, which every process on it shares. A hit is one `SELECT`,
+/// outside any transaction.
+///
+/// Writes of one store handle are queued in the process (an async lock around its one
+/// writing connection), so tasks never meet SQLite's busy handler among themselves.
+/// A write that finds the lock held by another process waits for it, off the async
+/// runtime's worker (in `block_in_place` on a multi-threaded runtime), for at most the
+/// store's [timeout](SqliteStoreBuilder::timeout), then fails with an [`Error::Store`]
+/// that says so: a process that holds the lock for long (a long transaction, a process
+/// stopped with SIGSTOP mid-write) costs the others an error, never a hang.
+///
+/// # Durability
+///
+/// By default (`synchronous = NORMAL` in WAL mode) a committed claim or result survives
+/// the crash of any process (kill -9, panic, OOM kill): it is in the WAL file before
+/// the call goes on. Against **power loss or a kernel crash** the last commits may be
+/// lost; [`SqliteStoreBuilder::fsync`] sets `synchronous = FULL`, which syncs the WAL
+/// at every commit, like sled's option of the same name.
+///
+/// # Schema
+///
+/// One table (`idem_records` by default, [`SqliteStoreBuilder::table`]), readable in
+/// SQL: `sqlite3 PATH "select tool, state, json_extract(result, '$.message_id') from
+/// idem_records"`.
+///
+/// ```sql
+/// CREATE TABLE idem_records (
+///     key          TEXT PRIMARY KEY NOT NULL, -- `<tool>.<sha-256 hex>`
+///     fingerprint  BLOB NOT NULL,             -- SHA-256 of the call: key parts and whole input
+///     state        TEXT NOT NULL,             -- 'in_progress', 'completed' or 'failed'
+///     token        BLOB,                      -- in progress: the claiming call's fencing token
+///     lease_until  INTEGER,                   -- in progress: when the claim counts as abandoned
+///     result,                                 -- completed / failed: the result or error, JSON text
+///     created_at   INTEGER NOT NULL,          -- the row's last write
+///     expires_at   INTEGER NOT NULL,          -- the row is absent to idem from then on
+///     -- who and what happened, for operators (no decision reads them):
+///     run_id TEXT, tenant TEXT, call_id TEXT, tool TEXT,
+///     claimed_at INTEGER NOT NULL, completed_at INTEGER, renewed_at INTEGER,
+///     attempts INTEGER NOT NULL, takeovers INTEGER NOT NULL
+/// );
+/// CREATE INDEX idem_records_expires_at ON idem_records (expires_at);
+/// ```
+///
+/// Times are milliseconds since the Unix epoch (`datetime(expires_at / 1000,
+/// 'unixepoch')` shows one). A result that is not UTF-8 (no JSON is) is kept as a
+/// `BLOB`.
+#[derive(Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    path: PathBuf,
+    timeout: Duration,
+    fsync: bool,
+    sql: Sql,
+    /// The one connection this handle writes through; writes queue for it.
+    writer: tokio::sync::Mutex<Connection>,
+    /// Idle connections for reads (WAL readers do not wait for the writer).
+    readers: Mutex<Vec<Connection>>,
+}
+
+/// How many idle reading connections a handle keeps.
+const IDLE_READERS: usize = 8;
+
+/// The most rows one statement of a purge deletes (one short write transaction).
+const PURGE_BATCH: i64 = 1_000;
+
+/// The columns of a record, in the order [`decode_row`] reads them.
+const COLUMNS: &str = "fingerprint, state, token, lease_until, result, created_at, expires_at, \
+     run_id, tenant, call_id, tool, claimed_at, completed_at, renewed_at, attempts, takeovers";
+
+/// The statements, with the table name filled in.
+struct Sql {
+    table: String,
+    read: String,
+    replayable: String,
+    upsert: String,
+    delete: String,
+    delete_returning: String,
+    purge: String,
+    list_first: String,
+    list_after: String,
+}
+
+impl Sql {
+    fn new(t: &str) -> Self {
+        Sql {
+            read: format!("SELECT {COLUMNS} FROM {t} WHERE key = ?1"),
+            replayable: format!(
+                "SELECT result FROM {t} WHERE key = ?1 AND state = 'completed' \
+                 AND fingerprint = ?2 AND expires_at > ?3"
+            ),
+            upsert: format!(
+                "INSERT OR REPLACE INTO {t} (key, {COLUMNS}) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
+            ),
+            delete: format!("DELETE FROM {t} WHERE key = ?1"),
+            delete_returning: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at"),
+            purge: format!(
+                "DELETE FROM {t} WHERE key IN \
+                 (SELECT key FROM {t} WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)"
+            ),
+            list_first: format!(
+                "SELECT key, {COLUMNS} FROM {t} WHERE expires_at > ?1 ORDER BY key"
+            ),
+            list_after: format!(
+                "SELECT key, {COLUMNS} FROM {t} WHERE expires_at > ?1 AND key > ?2 ORDER BY key"
+            ),
+            table: t.to_owned(),
+        }
+    }
+
+    fn schema(&self, base: &str) -> String {
+        let t = &self.table;
+        format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                key          TEXT PRIMARY KEY NOT NULL,
+                fingerprint  BLOB NOT NULL,
+                state        TEXT NOT NULL,
+                token        BLOB,
+                lease_until  INTEGER,
+                result,
+                created_at   INTEGER NOT NULL,
+                expires_at   INTEGER NOT NULL,
+                run_id       TEXT,
+                tenant       TEXT,
+                call_id      TEXT,
+                tool         TEXT,
+                claimed_at   INTEGER NOT NULL,
+                completed_at INTEGER,
+                renewed_at   INTEGER,
+                attempts     INTEGER NOT NULL,
+                takeovers    INTEGER NOT NULL
+            );
+            CREATE INDEX IF NOT EXISTS \"{base}_expires_at\" ON {t} (expires_at);"
+        )
+    }
+}
+
+fn sqlite_error(e: rusqlite::Error) -> Error {
+    Error::store("sqlite", Fault::chained(e))
+}
+
+/// Whether `e` says the write lock is held by another connection.
+fn is_busy(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(f, _)
+        if matches!(f.code, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked))
+}
+
+/// The error for a write lock that stayed held past the store's timeout.
+fn held_too_long(path: &Path, timeout: Duration, source: rusqlite::Error) -> Error {
+    Error::store(
+        "sqlite",
+        Fault::new(
+            format!(
+                "the write lock of {} stayed held by another connection for {timeout:?} (the \
+                 store's timeout): a long transaction in another process, or a process \
+                 stopped while writing",
+                path.display()
+            ),
+            source,
+        ),
+    )
+}
+
+/// Opens a connection to `path` with the store's settings.
+fn connect(path: &Path, fsync: bool, timeout: Duration) -> Result<Connection, Error> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags).map_err(|e| {
+        Error::store(
+            "sqlite",
+            Fault::new(format!("cannot open {}", path.display()), e),
+        )
+    })?;
+    conn.busy_timeout(timeout).map_err(sqlite_error)?;
+    let synchronous = if fsync { "FULL" } else { "NORMAL" };
+    conn.execute_batch(&format!("PRAGMA synchronous = {synchronous};"))
+        .map_err(sqlite_error)?;
+    Ok(conn)
+}
+
+impl SqliteStore {
+    /// The default table name.
+    pub const DEFAULT_TABLE: &'static str = "idem_records";
+
+    /// The default bound on each operation's wait for another process's write lock.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// Opens (creating if needed) the store in database file `path`, durable against
+    /// process crashes (see [Durability](SqliteStore#durability)), with the table
+    /// made if missing. Any number of processes may have the file open at once.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        Self::builder(path).open()
+    }
+
+    /// A store in database file `path`, with options.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), idem_core::Error> {
+    /// let store = idem_core::SqliteStore::builder("/var/lib/my-agent/idem.sqlite")
+    ///     .fsync(true) // durable against power loss, not only process crashes
+    ///     .timeout(std::time::Duration::from_secs(2))
+    ///     .open()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
+        SqliteStoreBuilder {
+            path: path.as_ref().to_owned(),
+            fsync: false,
+            timeout: Self::DEFAULT_TIMEOUT,
+            table: Self::DEFAULT_TABLE.to_owned(),
+        }
+    }
+
+    fn open_with(builder: SqliteStoreBuilder) -> Result<Self, Error> {
+        let SqliteStoreBuilder {
+            path,
+            fsync,
+            timeout,
+            table,
+        } = builder;
+        if !is_identifier(&table) {
+            return Err(Error::store(
+                "sqlite",
+                format!(
+                    "invalid table name `{table}`: use letters, digits and underscores, not \
+                     starting with a digit"
+                ),
+            ));
+        }
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Error::store(
+                    "sqlite",
+                    format!("cannot create the directory {}: {e}", dir.display()),
+                )
+            })?;
+        }
+        let mut writer = connect(&path, fsync, timeout)?;
+        if writer
+            .is_readonly(rusqlite::MAIN_DB)
+            .map_err(sqlite_error)?
+        {
+            return Err(Error::store(
+                "sqlite",
+                format!(
+                    "{} is read-only: the store writes every call",
+                    path.display()
+                ),
+            ));
+        }
+        let mode: String = writer
+            .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
+            .map_err(|e| match is_busy(&e) {
+                true => held_too_long(&path, timeout, e),
+                false => sqlite_error(e),
+            })?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(Error::store(
+                "sqlite",
+                format!(
+                    "{} cannot be put in WAL mode (its journal mode stays `{mode}`), which \
+                     several processes need: keep it on a local filesystem",
+                    path.display()
+                ),
+            ));
+        }
+        let sql = Sql::new(&format!("\"{table}\""));
+        let tx = writer
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(|e| match is_busy(&e) {
+                true => held_too_long(&path, timeout, e),
+                false => sqlite_error(e),
+            })?;
+        tx.execute_batch(&sql.schema(&table))
+            .map_err(sqlite_error)?;
+        tx.commit().map_err(sqlite_error)?;
+        // Writes first try without waiting (see `write_raw`).
+        writer.busy_timeout(Duration::ZERO).map_err(sqlite_error)?;
+        tracing::debug!(path = %path.display(), table, fsync, "opened sqlite store");
+        Ok(SqliteStore {
+            inner: Arc::new(Inner {
+                path,
+                timeout,
+                fsync,
+                sql,
+                writer: tokio::sync::Mutex::new(writer),
+                readers: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Runs `f` on an idle reading connection (a new one if none is idle).
+    fn with_reader<T>(&self, f: impl FnOnce(&Connection) -> Result<T, Error>) -> Result<T, Error> {
+        let conn = self.reader()?;
+        let result = f(&conn);
+        self.give_back(conn);
+        result
+    }
+
+    fn reader(&self) -> Result<Connection, Error> {
+        let idle = crate::sync::lock(&self.inner.readers).pop();
+        match idle {
+            Some(conn) => Ok(conn),
+            None => connect(&self.inner.path, self.inner.fsync, self.inner.timeout),
+        }
+    }
+
+    fn give_back(&self, conn: Connection) {
+        let mut idle = crate::sync::lock(&self.inner.readers);
+        if idle.len() < IDLE_READERS {
+            idle.push(conn);
+        }
+    }
+
+    /// Runs `f` in a write transaction (`BEGIN IMMEDIATE`) and commits it. Writes of
+    /// this handle take turns; a write lock held by another process is waited for off
+    /// the runtime's worker, up to the store's timeout.
+    async fn write_raw<T>(
+        &self,
+        mut f: impl FnMut(&rusqlite::Transaction<'_>) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        let mut conn = self.inner.writer.lock().await;
+        let mut transact = |conn: &mut Connection| -> Result<Result<T, Error>, rusqlite::Error> {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let result = f(&tx);
+            if result.is_ok() {
+                tx.commit()?;
+            }
+            // Dropped without a commit: rolled back.
+            Ok(result)
+        };
+        if !self.inner.fsync {
+            // The common case: the lock is free, and the transaction takes microseconds.
+            match transact(&mut conn) {
+                Err(e) if is_busy(&e) => {}
+                done => return done.map_err(sqlite_error)?,
+            }
+        }
+        // Another process holds the lock (or every commit syncs): wait off the worker.
+        let (path, timeout) = (&self.inner.path, self.inner.timeout);
+        let mut wait = || -> Result<T, Error> {
+            conn.busy_timeout(timeout).map_err(sqlite_error)?;
+            let result = transact(&mut conn);
+            let reset = conn.busy_timeout(Duration::ZERO);
+            let result = result.map_err(|e| match is_busy(&e) {
+                true => held_too_long(path, timeout, e),
+                false => sqlite_error(e),
+            })??;
+            reset.map_err(sqlite_error)?;
+            Ok(result)
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(wait)
+            }
+            // A current-thread runtime, or none: the wait blocks this thread.
+            _ => wait(),
+        }
+    }
+
+    /// A read-decide-write of the record under `key` in one write transaction: `decide`
+    /// sees the live record (`None` if absent or expired) and returns a result and
+    /// what to write (`Some(None)` deletes).
+    async fn write<T>(
+        &self,
+        key: &Key,
+        mut decide: impl FnMut(Option<&Record>, Timestamp) -> (T, Option<Option<Record>>),
+    ) -> Result<T, Error> {
+        let sql = &self.inner.sql;
+        self.write_raw(|tx| {
+            let current = read(tx, sql, key)?;
+            let (result, write) = decide(current.as_ref(), Timestamp::now());
+            match write {
+                None => {}
+                Some(Some(record)) => upsert(tx, sql, key, &record)?,
+                Some(None) => {
+                    tx.prepare_cached(&sql.delete)
+                        .and_then(|mut s| s.execute([key.as_str()]))
+                        .map_err(sqlite_error)?;
+                }
+            }
+            Ok(result)
+        })
+        .await
+    }
+
+    /// A fenced write: applied only if `decide` accepts the current record.
+    async fn write_if(
+        &self,
+        key: &Key,
+        decide: impl Fn(Option<&Record>, Timestamp) -> Result<Option<Record>, Fenced>,
+    ) -> Result<Fenced, Error> {
+        self.write(key, |current, now| match decide(current, now) {
+            Ok(write) => (Fenced::Applied, Some(write)),
+            Err(fenced) => (fenced, None),
+        })
+        .await
+    }
+}
+
+/// Whether `name` is a plain SQL identifier.
+fn is_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && name.len() <= 64
+}
+
+/// The record under `key`, `None` if absent or expired.
+fn read(conn: &Connection, sql: &Sql, key: &Key) -> Result<Option<Record>, Error> {
+    let now = Timestamp::now();
+    let mut stmt = conn.prepare_cached(&sql.read).map_err(sqlite_error)?;
+    let record = stmt
+        .query_row([key.as_str()], |row| Ok(decode_row(key, row, 0)))
+        .optional()
+        .map_err(sqlite_error)?
+        .transpose()?;
+    Ok(record.filter(|r| !r.is_expired(now)))
+}
+
+/// A payload as SQL: JSON text, or a `BLOB` if it is not UTF-8.
+struct Payload<'a>(&'a [u8]);
+
+impl rusqlite::ToSql for Payload<'_> {
+    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+        Ok(ToSqlOutput::Borrowed(match std::str::from_utf8(self.0) {
+            Ok(_) => ValueRef::Text(self.0),
+            Err(_) => ValueRef::Blob(self.0),
+        }))
+    }
+}
+
+fn ms(t: Timestamp) -> i64 {
+    i64::try_from(t.0).unwrap_or(i64::MAX)
+}
+
+fn upsert(conn: &Connection, sql: &Sql, key: &Key, record: &Record) -> Result<(), Error> {
+    let (state, token, lease, payload) = match &record.state {
+        State::InProgress { token, lease_until } => (
+            "in_progress",
+            Some(token.0.to_be_bytes()),
+            Some(ms(*lease_until)),
+            None,
+        ),
+        State::Completed { result } => ("completed", None, None, Some(Payload(result))),
+        State::Failed { error } => ("failed", None, None, Some(Payload(error))),
+    };
+    let meta = &record.meta;
+    let origin = meta.origin.as_ref();
+    let mut stmt = conn.prepare_cached(&sql.upsert).map_err(sqlite_error)?;
+    stmt.execute(rusqlite::params![
+        key.as_str(),
+        record.fingerprint.as_bytes().as_slice(),
+        state,
+        token.as_ref().map(|t| t.as_slice()),
+        lease,
+        payload,
+        ms(record.created_at),
+        ms(record.expires_at),
+        origin.map(|o| &*o.run_id),
+        origin.and_then(|o| o.tenant.as_deref()),
+        origin.and_then(|o| o.call_id.as_deref()),
+        origin.map(|o| &*o.tool),
+        ms(meta.claimed_at),
+        meta.completed_at.map(ms),
+        meta.renewed_at.map(ms),
+        meta.attempts,
+        meta.takeovers,
+    ])
+    .map_err(sqlite_error)?;
+    Ok(())
+}
+
+/// The record in a row whose columns from `at` on are [`COLUMNS`]. A value of the
+/// wrong type or shape is [`Error::CorruptRecord`] (a row written by hand, say).
+fn decode_row(key: &Key, row: &Row<'_>, at: usize) -> Result<Record, Error> {
+    let corrupt = |reason: String| Error::CorruptRecord {
+        key: key.clone(),
+        reason,
+    };
+    let column = |i: usize| -> Result<ValueRef<'_>, Error> {
+        row.get_ref(at + i)
+            .map_err(|e| corrupt(format!("column {i}: {e}")))
+    };
+    let int = |i: usize, name: &str| -> Result<Option<i64>, Error> {
+        match column(i)? {
+            ValueRef::Null => Ok(None),
+            ValueRef::Integer(n) => Ok(Some(n)),
+            _ => Err(corrupt(format!("{name} is not an integer"))),
+        }
+    };
+    let time = |i: usize, name: &str| -> Result<Option<Timestamp>, Error> {
+        Ok(int(i, name)?.map(|ms| Timestamp(ms.max(0) as u64)))
+    };
+    let required = |i: usize, name: &str| -> Result<Timestamp, Error> {
+        time(i, name)?.ok_or_else(|| corrupt(format!("{name} is NULL")))
+    };
+    let text = |i: usize, name: &str| -> Result<Option<Arc<str>>, Error> {
+        match column(i)? {
+            ValueRef::Null => Ok(None),
+            ValueRef::Text(t) => std::str::from_utf8(t)
+                .map(|t| Some(Arc::from(t)))
+                .map_err(|_| corrupt(format!("{name} is not UTF-8"))),
+            _ => Err(corrupt(format!("{name} is not text"))),
+        }
+    };
+    let bytes = |i: usize| -> Result<Option<&[u8]>, Error> {
+        match column(i)? {
+            ValueRef::Null => Ok(None),
+            ValueRef::Blob(b) | ValueRef::Text(b) => Ok(Some(b)),
+            _ => Err(corrupt(format!("column {i} is a number"))),
+        }
+    };
+    let fingerprint: [u8; 32] = bytes(0)?
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes".into()))?;
+    let state = match (
+        text(1, "state")?.as_deref(),
+        bytes(2)?,
+        int(3, "lease_until")?,
+    ) {
+        (Some("in_progress"), Some(token), Some(lease)) => {
+            let token: [u8; 16] = token
+                .try_into()
+                .map_err(|_| corrupt("token is not 16 bytes".into()))?;
+            State::InProgress {
+                token: Token(u128::from_be_bytes(token)),
+                lease_until: Timestamp(lease.max(0) as u64),
+            }
+        }
+        (Some("completed"), ..) => State::Completed {
+            result: bytes(4)?
+                .ok_or_else(|| corrupt("a completed record without a result".into()))?
+                .to_vec(),
+        },
+        (Some("failed"), ..) => State::Failed {
+            error: bytes(4)?
+                .ok_or_else(|| corrupt("a failed record without an error".into()))?
+                .to_vec(),
+        },
+        (state, ..) => {
+            return Err(corrupt(format!(
+                "state {state:?} with missing fields (in_progress needs token and lease_until)"
+            )))
+        }
+    };
+    let origin = match (text(7, "run_id")?, text(10, "tool")?) {
+        (Some(run_id), Some(tool)) => Some(Origin {
+            tenant: text(8, "tenant")?,
+            run_id,
+            call_id: text(9, "call_id")?,
+            tool,
+        }),
+        _ => None,
+    };
+    let count = |i: usize, name: &str| -> Result<u32, Error> {
+        Ok(int(i, name)?.unwrap_or(0).clamp(0, i64::from(u32::MAX)) as u32)
+    };
+    Ok(Record {
+        fingerprint: Fingerprint::from_bytes(fingerprint),
+        created_at: required(5, "created_at")?,
+        expires_at: required(6, "expires_at")?,
+        state,
+        meta: Meta {
+            origin,
+            claimed_at: required(11, "claimed_at")?,
+            completed_at: time(12, "completed_at")?,
+            renewed_at: time(13, "renewed_at")?,
+            attempts: count(14, "attempts")?,
+            takeovers: count(15, "takeovers")?,
+        },
+    })
+}
+
+/// Options for [`SqliteStore`]; [`SqliteStore::builder`] makes one.
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `open` is called"]
+pub struct SqliteStoreBuilder {
+    path: PathBuf,
+    fsync: bool,
+    timeout: Duration,
+    table: String,
+}
+
+impl SqliteStoreBuilder {
+    /// Sync the WAL at every commit (`synchronous = FULL`), so claims and results
+    /// survive power loss and kernel crashes, not only process crashes. Costs one
+    /// `fsync` per write.
+    pub fn fsync(mut self, fsync: bool) -> Self {
+        self.fsync = fsync;
+        self
+    }
+
+    /// The longest an operation waits for the write lock while another process holds
+    /// it (SQLite's busy timeout); past it, the operation fails with [`Error::Store`].
+    /// Default: [`SqliteStore::DEFAULT_TIMEOUT`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The table of records (default [`SqliteStore::DEFAULT_TABLE`]): letters, digits
+    /// and underscores.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Opens (creating if needed) the store. See [`SqliteStore::open`].
+    pub fn open(self) -> Result<SqliteStore, Error> {
+        SqliteStore::open_with(self)
+    }
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.inner.path)
+            .field("table", &self.inner.sql.table)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    fn name(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        self.write(key, |current, now| {
+            let (claim, write) = decide_claim(current, request, now);
+            (claim, write.map(Some))
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let write = OwnerWrite::Complete { outcome, ttl };
+        self.write_if(key, |current, now| {
+            decide_fenced(current, token, write, now)
+        })
+        .await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        self.write_if(key, |current, now| {
+            decide_fenced(current, token, OwnerWrite::Release, now)
+        })
+        .await
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let write = OwnerWrite::Renew { lease, ttl };
+        self.write_if(key, |current, now| {
+            decide_fenced(current, token, write, now)
+        })
+        .await
+    }
+
+    /// One `SELECT` on an idle reading connection; the result is lent from SQLite's
+    /// row, not copied.
+    fn with_completed_result(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        replay: &mut dyn FnMut(&[u8]),
+    ) {
+        let now = ms(Timestamp::now());
+        // Any error leaves the answer to the claim, which reports it.
+        let _ = self.with_reader(|conn| {
+            let mut stmt = conn
+                .prepare_cached(&self.inner.sql.replayable)
+                .map_err(sqlite_error)?;
+            let mut rows = stmt
+                .query(rusqlite::params![
+                    key.as_str(),
+                    fingerprint.as_bytes().as_slice(),
+                    now
+                ])
+                .map_err(sqlite_error)?;
+            if let Some(row) = rows.next().map_err(sqlite_error)? {
+                if let Ok(ValueRef::Text(result) | ValueRef::Blob(result)) = row.get_ref(0) {
+                    replay(result);
+                }
+            }
+            Ok(())
+        });
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.with_reader(|conn| read(conn, &self.inner.sql, key))
+    }
+
+    async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        let sql = &self.inner.sql;
+        let now = ms(Timestamp::now());
+        self.write_raw(|tx| {
+            let expires: Option<Option<i64>> = tx
+                .prepare_cached(&sql.delete_returning)
+                .and_then(|mut s| s.query_row([key.as_str()], |row| row.get(0)).optional())
+                .map_err(sqlite_error)?;
+            // A row whose expiry cannot be read was still there: report it removed.
+            Ok(matches!(expires, Some(e) if e.is_none_or(|e| e > now)))
+        })
+        .await
+    }
+
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        let settled = |current: Option<&Record>, now| match current {
+            Some(r) if StateKind::of(r, now) != StateKind::Running => Ok(None),
+            _ => Err(Fenced::LostLease),
+        };
+        Ok(self.write_if(key, settled).await? == Fenced::Applied)
+    }
+
+    /// Walks the listing; each record is judged again and removed in its own write
+    /// transaction.
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        let (mut removed, mut after) = (0, None);
+        loop {
+            let page = self.list(filter, after.as_ref(), WALK_PAGE).await?;
+            for listed in &page.records {
+                let gone = self
+                    .write(&listed.key, |current, now| match current {
+                        Some(r) if filter.matches(&listed.key, r, now) => (true, Some(None)),
+                        _ => (false, None),
+                    })
+                    .await?;
+                removed += u64::from(gone);
+            }
+            match page.next {
+                Some(next) => after = Some(next),
+                None => return Ok(removed),
+            }
+        }
+    }
+
+    /// Deletes expired rows by the expiry index, [`PURGE_BATCH`] a transaction, so
+    /// calls of other processes go on between batches.
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        let sql = &self.inner.sql;
+        let mut removed = 0;
+        loop {
+            let now = ms(Timestamp::now());
+            let batch = self
+                .write_raw(|tx| {
+                    tx.prepare_cached(&sql.purge)
+                        .and_then(|mut s| s.execute(rusqlite::params![now, PURGE_BATCH]))
+                        .map_err(sqlite_error)
+                })
+                .await?;
+            removed += batch as u64;
+            if (batch as i64) < PURGE_BATCH {
+                return Ok(removed);
+            }
+        }
+    }
+
+    /// Pages in key order, read on a blocking thread from an idle connection. A row
+    /// that does not decode is listed as unreadable.
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        let conn = self.reader()?;
+        let this = self.clone();
+        let (filter, after) = (filter.clone(), after.cloned());
+        let walk = move || {
+            let page = (|| {
+                let now = Timestamp::now();
+                let sql = &this.inner.sql;
+                let mut stmt = match &after {
+                    Some(_) => conn.prepare_cached(&sql.list_after),
+                    None => conn.prepare_cached(&sql.list_first),
+                }
+                .map_err(sqlite_error)?;
+                let decode = |row: &Row<'_>| -> rusqlite::Result<(String, Result<Record, Error>)> {
+                    let key: String = row.get(0)?;
+                    let record = decode_row(&Key::from_text(key.as_str()), row, 1);
+                    Ok((key, record))
+                };
+                let rows = match &after {
+                    Some(Cursor(after)) => {
+                        stmt.query_map(rusqlite::params![ms(now), after], decode)
+                    }
+                    None => stmt.query_map(rusqlite::params![ms(now)], decode),
+                }
+                .map_err(sqlite_error)?;
+                let entries = rows.map(|row| {
+                    let (key, record) = row.map_err(sqlite_error)?;
+                    Ok((key.clone(), Key::from_text(key), record))
+                });
+                page_by_key(entries, Cursor, &filter, limit, now)
+            })();
+            this.give_back(conn);
+            page
+        };
+        blocking::run(walk)
+            .await
+            .unwrap_or_else(|| Err(Error::store("sqlite", "the listing walk panicked")))
+    }
+
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        self.write_if(key, |current, now| {
+            decide_resolution(current, token, resolution, now)
+        })
+        .await
+    }
+}

@@ -1,0 +1,270 @@
+//! `SqliteStore`: the conformance suite, several handles on one file, a write lock held
+//! by another connection, damaged rows, and the table read in SQL.
+#![cfg(feature = "sqlite")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_core::store::{Claim, ClaimRequest, Fenced, Filter, Fingerprint, Origin, Outcome, Token};
+use idem_core::{testing, Error, Key, LocalCache, SqliteStore, Store};
+
+fn request(fingerprint: u8) -> ClaimRequest {
+    ClaimRequest {
+        origin: Origin::new("run-1", "send_email"),
+        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+        token: Token::generate().unwrap(),
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(3600),
+        take_over_expired: true,
+        retry_failed: true,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_store_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.sqlite")).unwrap();
+    testing::run_all(Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_store_in_fsync_mode_with_its_own_table_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::builder(dir.path().join("nested/dir/idem.sqlite"))
+        .fsync(true)
+        .table("agent_records")
+        .open()
+        .unwrap();
+    testing::run_all(Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_cache_over_the_sqlite_store_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.sqlite")).unwrap();
+    testing::run_all(Arc::new(LocalCache::new(store))).await;
+}
+
+/// On a current-thread runtime the store works too (its waits block the thread).
+#[tokio::test(flavor = "current_thread")]
+async fn sqlite_store_works_on_a_current_thread_runtime() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.sqlite")).unwrap();
+    let key = Key::from_text("send_email.ab");
+    let req = request(1);
+    assert_eq!(
+        store.claim(&key, &req).await.unwrap(),
+        Claim::Acquired { took_over: false }
+    );
+    let done = store
+        .complete(
+            &key,
+            req.token,
+            Outcome::Completed(b"1"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, Fenced::Applied);
+    assert_eq!(
+        store.claim(&key, &request(1)).await.unwrap(),
+        Claim::Completed(b"1".to_vec())
+    );
+}
+
+/// Handles opened separately on one file (each with its own connections, as separate
+/// processes have) agree: of many concurrent claims on one key, exactly one acquires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn separate_handles_on_one_file_have_one_winner() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.sqlite");
+    let handles: Vec<SqliteStore> = (0..4).map(|_| SqliteStore::open(&path).unwrap()).collect();
+    for round in 0..20u8 {
+        let key = Key::from_text(format!("send_email.{round:02x}"));
+        let mut tasks = Vec::new();
+        for i in 0..32 {
+            let (store, key) = (handles[i % handles.len()].clone(), key.clone());
+            tasks.push(tokio::spawn(
+                async move { store.claim(&key, &request(1)).await },
+            ));
+        }
+        let mut acquired = 0;
+        for task in tasks {
+            match task.await.unwrap().unwrap() {
+                Claim::Acquired { .. } => acquired += 1,
+                Claim::Busy { .. } => {}
+                other => panic!("unexpected claim {other:?}"),
+            }
+        }
+        assert_eq!(acquired, 1, "round {round}: one claim acquires");
+    }
+}
+
+/// Another connection holds the write lock (a long transaction in another process):
+/// a write fails within the store's timeout with an error that says so, a hit still
+/// answers (WAL readers do not wait), and once the lock is let go writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_lock_held_elsewhere_is_an_error_within_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.sqlite");
+    let timeout = Duration::from_millis(300);
+    let store = SqliteStore::builder(&path).timeout(timeout).open().unwrap();
+    let done_key = Key::from_text("send_email.01");
+    let req = request(1);
+    store.claim(&done_key, &req).await.unwrap();
+    store
+        .complete(
+            &done_key,
+            req.token,
+            Outcome::Completed(b"\"m-1\""),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+
+    let holder = rusqlite::Connection::open(&path).unwrap();
+    holder.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    let started = Instant::now();
+    let err = store
+        .claim(&Key::from_text("send_email.02"), &request(1))
+        .await
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert!(
+        matches!(
+            err,
+            Error::Store {
+                store: "sqlite",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("write lock"), "{err}");
+    assert!(
+        waited >= timeout,
+        "gave up after {waited:?}, before the timeout"
+    );
+    assert!(
+        waited < timeout * 4,
+        "waited {waited:?} for a {timeout:?} timeout"
+    );
+
+    let mut replayed = None;
+    store.with_completed_result(&done_key, &req.fingerprint, &mut |r| {
+        replayed = Some(r.to_vec())
+    });
+    assert_eq!(replayed.as_deref(), Some(&b"\"m-1\""[..]), "a hit answers");
+    assert!(
+        store.get(&done_key).await.unwrap().is_some(),
+        "reads answer"
+    );
+
+    holder.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(
+        store
+            .claim(&Key::from_text("send_email.02"), &request(1))
+            .await
+            .unwrap(),
+        Claim::Acquired { took_over: false }
+    );
+}
+
+/// A row damaged by hand is a typed error on the claim, an unreadable entry in a
+/// listing, and `delete` removes it; nothing panics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_row_is_a_typed_error_and_can_be_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.sqlite");
+    let store = SqliteStore::open(&path).unwrap();
+    let raw = rusqlite::Connection::open(&path).unwrap();
+    for (key, state, fingerprint) in [
+        ("send_email.bad-state", "bogus", vec![1u8; 32]),
+        ("send_email.short-fp", "completed", vec![1u8; 3]),
+    ] {
+        raw.execute(
+            "INSERT INTO idem_records (key, fingerprint, state, result, created_at, expires_at, \
+             claimed_at, attempts, takeovers) VALUES (?1, ?2, ?3, '1', 0, 9000000000000, 0, 1, 0)",
+            rusqlite::params![key, fingerprint, state],
+        )
+        .unwrap();
+        let key = Key::from_text(key);
+        let err = store.claim(&key, &request(1)).await.unwrap_err();
+        assert!(
+            matches!(&err, Error::CorruptRecord { key: k, .. } if *k == key),
+            "{err}"
+        );
+    }
+    let page = store.list(&Filter::default(), None, 10).await.unwrap();
+    assert_eq!(page.unreadable.len(), 2, "{page:?}");
+    assert!(store
+        .delete(&Key::from_text("send_email.bad-state"))
+        .await
+        .unwrap());
+    assert!(store
+        .delete(&Key::from_text("send_email.short-fp"))
+        .await
+        .unwrap());
+    let page = store.list(&Filter::default(), None, 10).await.unwrap();
+    assert!(page.unreadable.is_empty() && page.records.is_empty());
+}
+
+/// The table reads in SQL: tool, state, and a field of the JSON result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_reads_in_sql() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.sqlite");
+    let store = SqliteStore::open(&path).unwrap();
+    let key = Key::from_text("send_email.cd");
+    let req = request(7);
+    store.claim(&key, &req).await.unwrap();
+    store
+        .complete(
+            &key,
+            req.token,
+            Outcome::Completed(br#"{"message_id":"m-42"}"#),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    let raw = rusqlite::Connection::open(&path).unwrap();
+    let row: (String, String, String, String) = raw
+        .query_row(
+            "SELECT tool, run_id, state, json_extract(result, '$.message_id') FROM idem_records",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        row,
+        (
+            "send_email".into(),
+            "run-1".into(),
+            "completed".into(),
+            "m-42".into()
+        )
+    );
+}
+
+#[test]
+fn bad_settings_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = SqliteStore::builder(dir.path().join("a.sqlite"))
+        .table("records; drop")
+        .open()
+        .unwrap_err();
+    assert!(err.to_string().contains("invalid table name"), "{err}");
+    // A directory where the file should be.
+    let err = SqliteStore::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Store {
+                store: "sqlite",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
