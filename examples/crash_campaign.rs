@@ -47,6 +47,9 @@ fn main() {
 
     let args = Args::parse();
     let mut stores = vec![(StoreKind::Sled, String::new())];
+    if cfg!(feature = "sqlite") {
+        stores.push((StoreKind::Sqlite, String::new()));
+    }
     if cfg!(feature = "postgres") {
         if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
             stores.push((StoreKind::Postgres, url));

@@ -5,7 +5,7 @@
 //! after the side effect) and its body panics (before and after the side effect), and
 //! the agent retries at once; then a clean worker replays every op.
 //!
-//! Sled always runs; Postgres and Redis need `IDEM_POSTGRES_URL` / `IDEM_REDIS_URL`
+//! Sled always runs, SQLite with the `sqlite` feature; Postgres and Redis need `IDEM_POSTGRES_URL` / `IDEM_REDIS_URL`
 //! (and the `postgres` / `redis` features) and print SKIPPED otherwise.
 //! `cargo run --release --all-features --example crash_campaign -- --kills 1000` runs
 //! the long campaign and prints the table.
@@ -97,6 +97,12 @@ fn check(store: StoreKind, location: &str) {
 #[test]
 fn sled_survives_the_crash_campaign() {
     check(StoreKind::Sled, "");
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn sqlite_survives_the_crash_campaign() {
+    check(StoreKind::Sqlite, "");
 }
 
 #[cfg(feature = "postgres")]

@@ -47,6 +47,7 @@ const CALL_FAILED: i32 = 41;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StoreKind {
     Sled,
+    Sqlite,
     Postgres,
     Redis,
 }
@@ -55,6 +56,7 @@ impl fmt::Display for StoreKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             StoreKind::Sled => "sled",
+            StoreKind::Sqlite => "sqlite",
             StoreKind::Postgres => "postgres",
             StoreKind::Redis => "redis",
         })
@@ -414,6 +416,8 @@ pub fn run_worker_if_asked() -> bool {
 async fn open(config: &WorkerConfig) -> Result<Arc<dyn Store>, Error> {
     Ok(match config.store {
         StoreKind::Sled => Arc::new(idem::SledStore::open(&config.location)?),
+        #[cfg(feature = "sqlite")]
+        StoreKind::Sqlite => Arc::new(idem::SqliteStore::open(&config.location)?),
         #[cfg(feature = "postgres")]
         StoreKind::Postgres => Arc::new(
             idem::PostgresStore::builder(&config.location)
@@ -572,6 +576,7 @@ pub fn run_cell(cell: &Cell, worker: &dyn Fn() -> Command) -> Report {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let location = match cell.store {
         StoreKind::Sled => dir.path().join("store").display().to_string(),
+        StoreKind::Sqlite => dir.path().join("store.sqlite").display().to_string(),
         _ => cell.location.clone(),
     };
     let mut ops = cell.faults * 3 + 6;
