@@ -22,7 +22,7 @@ use clap::{ArgGroup, Args, Parser, Subcommand};
 use idem_core::store::{
     delete_settled_matching, Fenced, Filter, Record, Resolution, State, StateKind, Timestamp,
 };
-use idem_core::{Error, Key, PostgresStore, RedisStore, SledStore, Store};
+use idem_core::{Error, Key, PostgresStore, RedisStore, SledStore, SqliteStore, Store};
 
 use output::Output;
 
@@ -30,11 +30,12 @@ use output::Output;
 #[derive(Parser)]
 #[command(name = "idem", version, about, long_about = None)]
 struct Cli {
-    /// The store: `sled:PATH`, `postgres://...` or `redis://...`. Default: the sled
-    /// store the library opens by default (`$IDEM_DIR`, else `.idem`).
+    /// The store: `sled:PATH`, `sqlite:PATH`, `postgres://...` or `redis://...`.
+    /// Default: the sled store the library opens by default (`$IDEM_DIR`, else
+    /// `.idem`). A SQLite store can be read and changed while agents run on it.
     #[arg(long, global = true, env = "IDEM_STORE")]
     store: Option<String>,
-    /// The Postgres table (`idem_records` by default).
+    /// The Postgres or SQLite table (`idem_records` by default).
     #[arg(long, global = true)]
     table: Option<String>,
     /// The Redis key prefix (`idem:` by default).
@@ -407,10 +408,26 @@ async fn open(cli: &Cli) -> Result<Arc<dyn Store>, Failure> {
         }
         return Ok(Arc::new(builder.connect().await.map_err(usage)?));
     }
+    if let Some(path) = spec.strip_prefix("sqlite:") {
+        if !std::path::Path::new(path).is_file() {
+            // Opening would create an empty store: say there is none instead.
+            return Err(Failure(
+                Exit::NotFound,
+                format!("no SQLite store at `{path}`"),
+            ));
+        }
+        let mut builder = SqliteStore::builder(path);
+        if let Some(table) = &cli.table {
+            builder = builder.table(table);
+        }
+        return Ok(Arc::new(builder.open()?));
+    }
     let Some(path) = spec.strip_prefix("sled:") else {
         return Err(Failure(
             Exit::Usage,
-            format!("unknown store `{spec}`: use sled:PATH, postgres://... or redis://..."),
+            format!(
+                "unknown store `{spec}`: use sled:PATH, sqlite:PATH, postgres://... or redis://..."
+            ),
         ));
     };
     if !std::path::Path::new(path).join("conf").exists() {

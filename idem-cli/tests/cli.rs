@@ -12,7 +12,7 @@ use assert_cmd::Command;
 use idem_core::store::{
     Claim, ClaimRequest, Fingerprint, Meta, Origin, Outcome, Record, State, Timestamp, Token,
 };
-use idem_core::{Key, PostgresStore, RedisStore, SledStore, Store};
+use idem_core::{Key, PostgresStore, RedisStore, SledStore, SqliteStore, Store};
 use serde_json::Value;
 
 fn env(name: &str) -> Option<String> {
@@ -391,6 +391,30 @@ async fn every_command_on_sled() {
         async move { Arc::new(SledStore::open(path).unwrap()) as Arc<dyn Store> }
     })
     .await;
+}
+
+/// SQLite: every command runs while the store stays open in this process (an agent's,
+/// in real life), which goes on reading the records the commands changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_on_sqlite_while_an_agent_has_it_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.sqlite");
+    let agent = SqliteStore::open(&path).unwrap();
+    let made = fill(&agent, "r1", "r2").await;
+    let args = vec!["--store".to_owned(), format!("sqlite:{}", path.display())];
+    every_command(&args, made, "r1", "r2", || {
+        let agent = agent.clone();
+        async move { Arc::new(agent) as Arc<dyn Store> }
+    })
+    .await;
+    let missing = vec![
+        "--store".to_owned(),
+        format!("sqlite:{}", dir.path().join("none.sqlite").display()),
+    ];
+    let (code, out, err) = run(&missing, &["ls"]);
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("no SQLite store"), "{err}");
+    assert!(!dir.path().join("none.sqlite").exists(), "nothing was created");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
