@@ -267,6 +267,9 @@ fn main() {
         #[cfg(feature = "metrics")]
         observed::rows(&mut t, n, run, &input).await;
 
+        #[cfg(feature = "sqlite")]
+        sqlite_rows(&mut t, n, &input).await;
+
         // Sled.
         let dir = tempfile::tempdir().unwrap();
         let store = SledStore::open(dir.path().join("idem")).unwrap();
@@ -684,5 +687,101 @@ mod network {
             Some(("two commits (INSERT, UPDATE)", commits)),
         );
         floor.drop_tables(&table).await;
+    }
+}
+
+/// SQLite: a hit against a raw `SELECT` by key and a decode, a miss against two raw
+/// write transactions (an `INSERT`, then an `UPDATE`, as a claim and a completion), on
+/// a file of its own with the store's settings (WAL, `synchronous = NORMAL`).
+#[cfg(feature = "sqlite")]
+async fn sqlite_rows(t: &mut Table, n: usize, input: &scenario::SendEmail) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = idem::SqliteStore::open(dir.path().join("idem.sqlite")).unwrap();
+    let raw = rusqlite::Connection::open(dir.path().join("floor.sqlite")).unwrap();
+    raw.execute_batch(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+         CREATE TABLE floor (key TEXT PRIMARY KEY NOT NULL, value);",
+    )
+    .unwrap();
+    let run = Run::new("bench-sqlite").with_store(store.clone());
+    send_email(&run, input).await.unwrap();
+    let result = serde_json::to_string(&message_id()).unwrap();
+    raw.execute(
+        "INSERT INTO floor VALUES (?1, ?2)",
+        (scenario::keyed(input), &result),
+    )
+    .unwrap();
+    let (hit, floor) = compare(
+        n,
+        |_| send_email(&run, input),
+        |_| {
+            let raw = &raw;
+            async move {
+                let mut stmt = raw
+                    .prepare_cached("SELECT value FROM floor WHERE key = ?1")
+                    .unwrap();
+                let text: String = stmt
+                    .query_row([scenario::keyed(input)], |r| r.get(0))
+                    .unwrap();
+                std::hint::black_box(serde_json::from_str::<MessageId>(&text).unwrap());
+            }
+        },
+    )
+    .await;
+    t.row("sqlite: hit", hit, Some(("key + SELECT + decode", floor)));
+
+    let m = 200;
+    let run = Run::new("bench-sqlite-miss").with_store(store.clone());
+    let (serial, floor) = compare(
+        m,
+        |i| {
+            let run = run.clone();
+            async move { send_email(&run, &email(1_000_000 + i, BODY)).await.unwrap() }
+        },
+        |k| {
+            let raw = &raw;
+            async move {
+                let key = format!("send_email.{k:064}");
+                for sql in [
+                    "INSERT INTO floor VALUES (?1, zeroblob(78))",
+                    "UPDATE floor SET value = zeroblob(170) WHERE key = ?1",
+                ] {
+                    let tx = raw.unchecked_transaction().unwrap();
+                    tx.prepare_cached(sql).unwrap().execute([&key]).unwrap();
+                    tx.commit().unwrap();
+                }
+            }
+        },
+    )
+    .await;
+    t.row(
+        "sqlite: miss, serial",
+        serial,
+        Some(("two write transactions", floor)),
+    );
+    for tasks in [8u64, 64] {
+        let per_task = 1280 / tasks;
+        let started = Instant::now();
+        let handles: Vec<_> = (0..tasks)
+            .map(|w| {
+                let run = run.clone();
+                tokio::spawn(async move {
+                    for i in 0..per_task {
+                        send_email(&run, &email(20_000_000 * (tasks + 1) + w * 1000 + i, BODY))
+                            .await
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.await.unwrap();
+        }
+        let per_call = started.elapsed() / (tasks * per_task) as u32;
+        t.row(
+            &format!("sqlite: miss, {tasks} concurrent, per call"),
+            per_call,
+            Some(("the serial miss", serial)),
+        );
     }
 }

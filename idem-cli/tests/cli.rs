@@ -414,7 +414,10 @@ async fn every_command_on_sqlite_while_an_agent_has_it_open() {
     let (code, out, err) = run(&missing, &["ls"]);
     assert_ne!(code, 0, "{out}");
     assert!(err.contains("no SQLite store"), "{err}");
-    assert!(!dir.path().join("none.sqlite").exists(), "nothing was created");
+    assert!(
+        !dir.path().join("none.sqlite").exists(),
+        "nothing was created"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

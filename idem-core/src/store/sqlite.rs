@@ -118,7 +118,8 @@ struct Sql {
     table: String,
     read: String,
     replayable: String,
-    upsert: String,
+    insert: String,
+    update: String,
     delete: String,
     delete_returning: String,
     purge: String,
@@ -134,9 +135,17 @@ impl Sql {
                 "SELECT result FROM {t} WHERE key = ?1 AND state = 'completed' \
                  AND fingerprint = ?2 AND expires_at > ?3"
             ),
-            upsert: format!(
+            // An expired row is replaced by a new claim.
+            insert: format!(
                 "INSERT OR REPLACE INTO {t} (key, {COLUMNS}) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
+            ),
+            // A row rewritten in place: its key's index entry stays.
+            update: format!(
+                "UPDATE {t} SET fingerprint = ?2, state = ?3, token = ?4, lease_until = ?5, \
+                 result = ?6, created_at = ?7, expires_at = ?8, run_id = ?9, tenant = ?10, \
+                 call_id = ?11, tool = ?12, claimed_at = ?13, completed_at = ?14, \
+                 renewed_at = ?15, attempts = ?16, takeovers = ?17 WHERE key = ?1"
             ),
             delete: format!("DELETE FROM {t} WHERE key = ?1"),
             delete_returning: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at"),
@@ -424,7 +433,14 @@ impl SqliteStore {
             let (result, write) = decide(current.as_ref(), Timestamp::now());
             match write {
                 None => {}
-                Some(Some(record)) => upsert(tx, sql, key, &record)?,
+                Some(Some(record)) => {
+                    // `current` is `None` for an expired row too: that one is replaced.
+                    let statement = match current {
+                        Some(_) => &sql.update,
+                        None => &sql.insert,
+                    };
+                    upsert(tx, statement, key, &record)?
+                }
                 Some(None) => {
                     tx.prepare_cached(&sql.delete)
                         .and_then(|mut s| s.execute([key.as_str()]))
@@ -488,7 +504,8 @@ fn ms(t: Timestamp) -> i64 {
     i64::try_from(t.0).unwrap_or(i64::MAX)
 }
 
-fn upsert(conn: &Connection, sql: &Sql, key: &Key, record: &Record) -> Result<(), Error> {
+/// Writes `record` under `key` with `statement` (`Sql::insert` or `Sql::update`).
+fn upsert(conn: &Connection, statement: &str, key: &Key, record: &Record) -> Result<(), Error> {
     let (state, token, lease, payload) = match &record.state {
         State::InProgress { token, lease_until } => (
             "in_progress",
@@ -501,7 +518,7 @@ fn upsert(conn: &Connection, sql: &Sql, key: &Key, record: &Record) -> Result<()
     };
     let meta = &record.meta;
     let origin = meta.origin.as_ref();
-    let mut stmt = conn.prepare_cached(&sql.upsert).map_err(sqlite_error)?;
+    let mut stmt = conn.prepare_cached(statement).map_err(sqlite_error)?;
     stmt.execute(rusqlite::params![
         key.as_str(),
         record.fingerprint.as_bytes().as_slice(),
