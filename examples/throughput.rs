@@ -5,6 +5,7 @@
 //! cargo run --release --example throughput                  # memory and sled
 //! IDEM_REDIS_URL=redis://127.0.0.1:6379 IDEM_POSTGRES_URL=postgres://root@127.0.0.1/test \
 //!     cargo run --release --features postgres,redis --example throughput
+//! cargo run --release --features sqlite --example throughput -- --only sqlite
 //! cargo run --release --example throughput -- --seconds 5   # longer cells
 //! cargo run --release --features postgres,redis --example throughput -- --only postgres
 //! ```
@@ -22,6 +23,12 @@
 //!   by a flush on a blocking thread, for a miss (sled 0.34's `flush_async` blocks its
 //!   own pool's threads and hangs under 64 concurrent flushes; concurrent `flush`es
 //!   share the log's writes);
+//! - SQLite (feature `sqlite`): the key, then a `SELECT` by key on an idle reading
+//!   connection and a decode for a hit; two write transactions (an `INSERT`, then an
+//!   `UPDATE` writing the encoded result) through one writing connection behind an async
+//!   lock, as the store writes, on a file of its own with the store's settings (WAL,
+//!   `synchronous = NORMAL`), for a miss. Its last row runs the 64 tasks of misses in 4
+//!   processes of 16 tasks each, on one file (this program started 4 times over);
 //! - Postgres: the key, one `SELECT` by primary key (a `text` key, as idem's) and a
 //!   decode for a hit; the key, two commits (an `INSERT`, then an `UPDATE` writing the
 //!   encoded result) for a miss;
@@ -274,6 +281,8 @@ impl Only {
 }
 
 fn main() {
+    #[cfg(feature = "sqlite")]
+    sqlite::child_if_asked();
     let mut time = Duration::from_secs(2);
     let mut only = Only(None);
     let mut args = std::env::args().skip(1);
@@ -289,7 +298,7 @@ fn main() {
             "--only" => {
                 let stores = args
                     .next()
-                    .expect("--only takes stores: memory,sled,postgres,redis");
+                    .expect("--only takes stores: memory,sled,sqlite,postgres,redis");
                 only = Only(Some(stores.split(',').map(str::to_owned).collect()));
             }
             other => panic!("unknown argument {other}; expected --seconds N, --only STORES"),
@@ -311,6 +320,10 @@ async fn measure(time: Duration, only: Only) {
     }
     if only.has("sled") {
         sled(&mut table, time).await;
+    }
+    #[cfg(feature = "sqlite")]
+    if only.has("sqlite") {
+        sqlite::rows(&mut table, time).await;
     }
     #[cfg(feature = "postgres")]
     if only.has("postgres") {
@@ -439,4 +452,184 @@ async fn redis(table: &mut Vec<Row>, time: Duration, url: &str) {
     let run = |id: &str| Run::new(id).with_shared_store(Arc::clone(&store));
     rows(table, "redis", Some("redis-server"), run, time, floor_call).await;
     floor.clean(&prefix).await;
+}
+
+/// The SQLite store, and a hand-written check on a file of its own.
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+
+    /// What a child process runs: `<store file> <idem|floor> <seconds> <tasks>`.
+    const CHILD: &str = "IDEM_THROUGHPUT_SQLITE_CHILD";
+    const PROCESSES: usize = 4;
+
+    /// The floor: a writing connection behind an async lock, and idle reading ones.
+    struct Floor {
+        writer: tokio::sync::Mutex<rusqlite::Connection>,
+        readers: Mutex<Vec<rusqlite::Connection>>,
+        path: PathBuf,
+    }
+
+    fn connect(path: &Path) -> rusqlite::Connection {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.busy_timeout(Duration::from_secs(5)).unwrap();
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+             CREATE TABLE IF NOT EXISTS floor (key TEXT PRIMARY KEY NOT NULL, value);",
+        )
+        .unwrap();
+        conn
+    }
+
+    impl Floor {
+        fn open(path: &Path) -> Arc<Self> {
+            Arc::new(Floor {
+                writer: tokio::sync::Mutex::new(connect(path)),
+                readers: Mutex::new(Vec::new()),
+                path: path.to_owned(),
+            })
+        }
+
+        async fn call(&self, hit: bool, n: u64) {
+            let key = scenario::keyed(&email(n, BODY));
+            let reader = self.readers.lock().unwrap().pop();
+            let reader = reader.unwrap_or_else(|| connect(&self.path));
+            let found: Option<String> = reader
+                .prepare_cached("SELECT value FROM floor WHERE key = ?1")
+                .unwrap()
+                .query_row([&key], |r| r.get(0))
+                .ok();
+            self.readers.lock().unwrap().push(reader);
+            match found {
+                Some(text) if hit => {
+                    let id: MessageId = serde_json::from_str(&text).unwrap();
+                    std::hint::black_box(id);
+                }
+                _ => {
+                    let result = serde_json::to_string(&message_id()).unwrap();
+                    let writer = self.writer.lock().await;
+                    for (sql, value) in [
+                        ("INSERT OR REPLACE INTO floor VALUES (?1, ?2)", "claim"),
+                        ("UPDATE floor SET value = ?2 WHERE key = ?1", result.as_str()),
+                    ] {
+                        let tx = writer.unchecked_transaction().unwrap();
+                        tx.prepare_cached(sql).unwrap().execute([&key, value]).unwrap();
+                        tx.commit().unwrap();
+                    }
+                }
+            }
+        }
+    }
+
+    pub async fn rows(table: &mut Vec<Row>, time: Duration) {
+        let dir = tempfile::tempdir().unwrap();
+        let store_path = dir.path().join("idem.sqlite");
+        let store = idem::SqliteStore::open(&store_path).unwrap();
+        let floor = Floor::open(&dir.path().join("floor.sqlite"));
+        let call = move |hit, n| {
+            let floor = Arc::clone(&floor);
+            async move { floor.call(hit, n).await }
+        };
+        let run = |id: &str| Run::new(id).with_store(store.clone());
+        super::rows(table, "sqlite", None, run, time, call).await;
+
+        // 64 tasks of misses in 4 processes on one file.
+        eprintln!("sqlite: miss, 64 tasks in {PROCESSES} processes, and the floor");
+        let floor_path = dir.path().join("floor.sqlite");
+        let idem = processes(&store_path, "idem", time);
+        let floor = processes(&floor_path, "floor", time);
+        table.push(Row {
+            store: "sqlite 4p",
+            kind: "miss",
+            tasks: 64,
+            idem,
+            floor,
+        });
+    }
+
+    /// Runs `kind`'s misses from [`PROCESSES`] processes of 16 tasks at once; their
+    /// throughputs add up, the latencies are the processes' medians and worst p99.
+    fn processes(path: &Path, kind: &str, time: Duration) -> Measured {
+        let children: Vec<_> = (0..PROCESSES)
+            .map(|_| {
+                std::process::Command::new(std::env::current_exe().unwrap())
+                    .env(
+                        CHILD,
+                        format!("{} {kind} {} 16", path.display(), time.as_secs_f64()),
+                    )
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let mut measured: Vec<(f64, f64, f64)> = Vec::new();
+        for child in children {
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "a {kind} process failed");
+            let text = String::from_utf8(out.stdout).unwrap();
+            let v: Vec<f64> = text.split_whitespace().map(|x| x.parse().unwrap()).collect();
+            measured.push((v[0], v[1], v[2]));
+        }
+        let mut p50s: Vec<f64> = measured.iter().map(|m| m.1).collect();
+        p50s.sort_by(f64::total_cmp);
+        Measured {
+            per_second: measured.iter().map(|m| m.0).sum(),
+            p50: Duration::from_secs_f64(p50s[p50s.len() / 2]),
+            p99: Duration::from_secs_f64(measured.iter().map(|m| m.2).fold(0.0, f64::max)),
+            cpu: None,
+        }
+    }
+
+    /// In a child process: runs its misses and prints `<calls/s> <p50 s> <p99 s>`.
+    pub fn child_if_asked() {
+        let Ok(config) = std::env::var(CHILD) else {
+            return;
+        };
+        let parts: Vec<&str> = config.split(' ').collect();
+        let [path, kind, seconds, tasks] = parts[..] else {
+            panic!("{CHILD}: <file> <idem|floor> <seconds> <tasks>");
+        };
+        let path = PathBuf::from(path);
+        let time = Duration::from_secs_f64(seconds.parse().unwrap());
+        let tasks: usize = tasks.parse().unwrap();
+        // Keys of this process only.
+        NEXT.store(u64::from(std::process::id()) << 32, Ordering::Relaxed);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let measured = runtime.block_on(async move {
+            match kind {
+                "idem" => {
+                    let store = idem::SqliteStore::open(&path).unwrap();
+                    let run = Run::new("throughput-sqlite-processes").with_store(store);
+                    drive(tasks, time, None, move |_| {
+                        let run = run.clone();
+                        async move {
+                            send_email(&run, &email(next(), BODY)).await.unwrap();
+                        }
+                    })
+                    .await
+                }
+                _ => {
+                    let floor = Floor::open(&path);
+                    drive(tasks, time, None, move |_| {
+                        let floor = Arc::clone(&floor);
+                        async move { floor.call(false, next()).await }
+                    })
+                    .await
+                }
+            }
+        });
+        println!(
+            "{} {} {}",
+            measured.per_second,
+            measured.p50.as_secs_f64(),
+            measured.p99.as_secs_f64()
+        );
+        std::process::exit(0);
+    }
 }

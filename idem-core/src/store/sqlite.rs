@@ -819,7 +819,7 @@ impl Store for SqliteStore {
         }
     }
 
-    /// Deletes expired rows by the expiry index, [`PURGE_BATCH`] a transaction, so
+    /// Deletes expired rows by the expiry index, 1,000 a transaction, so
     /// calls of other processes go on between batches.
     async fn purge_expired(&self) -> Result<u64, Error> {
         let sql = &self.inner.sql;
