@@ -512,10 +512,16 @@ mod sqlite {
                     let writer = self.writer.lock().await;
                     for (sql, value) in [
                         ("INSERT OR REPLACE INTO floor VALUES (?1, ?2)", "claim"),
-                        ("UPDATE floor SET value = ?2 WHERE key = ?1", result.as_str()),
+                        (
+                            "UPDATE floor SET value = ?2 WHERE key = ?1",
+                            result.as_str(),
+                        ),
                     ] {
                         let tx = writer.unchecked_transaction().unwrap();
-                        tx.prepare_cached(sql).unwrap().execute([&key, value]).unwrap();
+                        tx.prepare_cached(sql)
+                            .unwrap()
+                            .execute([&key, value])
+                            .unwrap();
                         tx.commit().unwrap();
                     }
                 }
@@ -569,7 +575,10 @@ mod sqlite {
             let out = child.wait_with_output().unwrap();
             assert!(out.status.success(), "a {kind} process failed");
             let text = String::from_utf8(out.stdout).unwrap();
-            let v: Vec<f64> = text.split_whitespace().map(|x| x.parse().unwrap()).collect();
+            let v: Vec<f64> = text
+                .split_whitespace()
+                .map(|x| x.parse().unwrap())
+                .collect();
             measured.push((v[0], v[1], v[2]));
         }
         let mut p50s: Vec<f64> = measured.iter().map(|m| m.1).collect();
