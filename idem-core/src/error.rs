@@ -455,7 +455,12 @@ pub(crate) struct Fault {
 }
 
 #[cfg_attr(
-    not(any(feature = "sled", feature = "postgres", feature = "redis")),
+    not(any(
+        feature = "sled",
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "redis"
+    )),
     allow(dead_code)
 )]
 impl Fault {
@@ -471,7 +476,7 @@ impl Fault {
     }
 
     /// `source` described by its whole chain (see [`chain`]), with `source` kept.
-    #[cfg(feature = "sled")]
+    #[cfg(any(feature = "sled", feature = "sqlite"))]
     pub(crate) fn chained(source: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
         let source = source.into();
         Fault {

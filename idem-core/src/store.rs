@@ -834,6 +834,18 @@ pub(crate) fn page_by_key<P>(
     Ok(page)
 }
 
+/// Bytes written as hex (a listing's cursor over raw keys).
+#[cfg(any(feature = "sled", feature = "sqlite"))]
+pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 pub(crate) mod local_cache;
 pub(crate) mod memory;
 #[cfg(any(feature = "postgres", feature = "redis"))]

@@ -161,6 +161,28 @@ async fn a_write_lock_held_elsewhere_is_an_error_within_the_timeout() {
         "reads answer"
     );
 
+    // Writes queued behind one another in this process share the bound: each fails
+    // when its own timeout is up, not one timeout after the write ahead of it.
+    let started = Instant::now();
+    let queued: Vec<_> = (0..8u8)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let key = Key::from_text(format!("send_email.q{i}"));
+                let result = store.claim(&key, &request(1)).await;
+                (result.is_err(), started.elapsed())
+            })
+        })
+        .collect();
+    for task in queued {
+        let (failed, after) = task.await.unwrap();
+        assert!(failed, "the lock is still held");
+        assert!(
+            after < timeout * 3,
+            "a queued write gave up after {after:?}"
+        );
+    }
+
     holder.execute_batch("ROLLBACK").unwrap();
     assert_eq!(
         store
@@ -179,13 +201,32 @@ async fn a_damaged_row_is_a_typed_error_and_can_be_deleted() {
     let path = dir.path().join("idem.sqlite");
     let store = SqliteStore::open(&path).unwrap();
     let raw = rusqlite::Connection::open(&path).unwrap();
-    for (key, state, fingerprint) in [
-        ("send_email.bad-state", "bogus", vec![1u8; 32]),
-        ("send_email.short-fp", "completed", vec![1u8; 3]),
+    for (key, state, fingerprint, expires) in [
+        (
+            "send_email.bad-state",
+            "bogus",
+            vec![1u8; 32],
+            "9000000000000",
+        ),
+        (
+            "send_email.short-fp",
+            "completed",
+            vec![1u8; 3],
+            "9000000000000",
+        ),
+        (
+            "send_email.text-expiry",
+            "completed",
+            vec![1u8; 32],
+            "'soon'",
+        ),
     ] {
         raw.execute(
-            "INSERT INTO idem_records (key, fingerprint, state, result, created_at, expires_at, \
-             claimed_at, attempts, takeovers) VALUES (?1, ?2, ?3, '1', 0, 9000000000000, 0, 1, 0)",
+            &format!(
+                "INSERT INTO idem_records (key, fingerprint, state, result, created_at, \
+                 expires_at, claimed_at, attempts, takeovers) \
+                 VALUES (?1, ?2, ?3, '1', 0, {expires}, 0, 1, 0)"
+            ),
             rusqlite::params![key, fingerprint, state],
         )
         .unwrap();
@@ -197,17 +238,66 @@ async fn a_damaged_row_is_a_typed_error_and_can_be_deleted() {
         );
     }
     let page = store.list(&Filter::default(), None, 10).await.unwrap();
-    assert_eq!(page.unreadable.len(), 2, "{page:?}");
-    assert!(store
-        .delete(&Key::from_text("send_email.bad-state"))
-        .await
-        .unwrap());
-    assert!(store
-        .delete(&Key::from_text("send_email.short-fp"))
-        .await
-        .unwrap());
+    assert_eq!(page.unreadable.len(), 3, "{page:?}");
+    for key in [
+        "send_email.bad-state",
+        "send_email.short-fp",
+        "send_email.text-expiry",
+    ] {
+        assert!(store.delete(&Key::from_text(key)).await.unwrap(), "{key}");
+    }
     let page = store.list(&Filter::default(), None, 10).await.unwrap();
     assert!(page.unreadable.is_empty() && page.records.is_empty());
+}
+
+/// Keys no idem writes (text that is not UTF-8, a `BLOB`) are listed as unreadable,
+/// and the rows around them are listed all the same, page by page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_that_are_not_text_are_unreadable_and_the_listing_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.sqlite");
+    let store = SqliteStore::open(&path).unwrap();
+    for i in 0..3u8 {
+        let key = Key::from_text(format!("send_email.{i:02x}"));
+        let req = request(i);
+        store.claim(&key, &req).await.unwrap();
+        store
+            .complete(
+                &key,
+                req.token,
+                Outcome::Completed(b"1"),
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+    }
+    let raw = rusqlite::Connection::open(&path).unwrap();
+    for key in [
+        "CAST(X'73656e645f656d61696c2e30ff' AS TEXT)",
+        "X'73656e645f656d61696c2e31'",
+    ] {
+        raw.execute_batch(&format!(
+            "INSERT INTO idem_records (key, fingerprint, state, result, created_at, expires_at, \
+             claimed_at, attempts, takeovers) VALUES ({key}, zeroblob(32), 'completed', '1', 0, \
+             9000000000000, 0, 1, 0)"
+        ))
+        .unwrap();
+    }
+    let (mut records, mut unreadable, mut after) = (0, 0, None);
+    loop {
+        let page = store
+            .list(&Filter::default(), after.as_ref(), 1)
+            .await
+            .unwrap();
+        records += page.records.len();
+        unreadable += page.unreadable.len();
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!((records, unreadable), (3, 2));
+    assert_eq!(store.delete_matching(&Filter::default()).await.unwrap(), 3);
 }
 
 /// The table reads in SQL: tool, state, and a field of the JSON result.

@@ -16,8 +16,8 @@ use crate::key::Fingerprint;
 use crate::key_text::Key;
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{
-    decide_claim, decide_fenced, decide_resolution, page_by_key, Claim, ClaimRequest, Cursor,
-    Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind, Store, WALK_PAGE,
+    decide_claim, decide_fenced, decide_resolution, page_by_key, unhex, Claim, ClaimRequest,
+    Cursor, Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind, Store, WALK_PAGE,
 };
 
 /// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
@@ -596,17 +596,6 @@ impl SledStoreBuilder {
     pub fn open(self) -> Result<SledStore, Error> {
         SledStore::open_with(&self.path, self.fsync, self.cache_bytes)
     }
-}
-
-/// Bytes written as hex (a listing's cursor).
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 impl std::fmt::Debug for SledStore {
