@@ -257,17 +257,28 @@ fn connect(path: &Path, fsync: bool, timeout: Duration) -> Result<Connection, Er
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = Connection::open_with_flags(path, flags).map_err(|e| {
-        Error::store(
-            "sqlite",
-            Fault::new(format!("cannot open {}", path.display()), e),
-        )
-    })?;
+    let conn = Connection::open_with_flags(path, flags).map_err(|e| cannot_open(path, e))?;
     conn.busy_timeout(timeout).map_err(sqlite_error)?;
     let synchronous = if fsync { "FULL" } else { "NORMAL" };
+    // SQLite opens the file at the first statement: a file it cannot open fails here.
     conn.execute_batch(&format!("PRAGMA synchronous = {synchronous};"))
-        .map_err(sqlite_error)?;
+        .map_err(|e| cannot_open(path, e))?;
     Ok(conn)
+}
+
+/// The error for a file the store cannot open or set up, naming it and its cause.
+fn cannot_open(path: &Path, source: rusqlite::Error) -> Error {
+    Error::store(
+        "sqlite",
+        Fault::new(
+            format!(
+                "cannot open the store in {}: {source} (the file and its directory must be \
+                 writable: the store keeps its -wal and -shm files beside it)",
+                path.display()
+            ),
+            source,
+        ),
+    )
 }
 
 impl SqliteStore {
@@ -328,10 +339,12 @@ impl SqliteStore {
             })?;
         }
         let mut writer = connect(&path, fsync, timeout)?;
-        if writer
-            .is_readonly(rusqlite::MAIN_DB)
-            .map_err(sqlite_error)?
-        {
+        // Every step names the file: a read-only file or filesystem fails here, at once.
+        let setting_up = |e: rusqlite::Error| match is_busy(&e) {
+            true => held_too_long(&path, timeout, e),
+            false => cannot_open(&path, e),
+        };
+        if writer.is_readonly(rusqlite::MAIN_DB).map_err(setting_up)? {
             return Err(Error::store(
                 "sqlite",
                 format!(
@@ -342,10 +355,7 @@ impl SqliteStore {
         }
         let mode: String = writer
             .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
-            .map_err(|e| match is_busy(&e) {
-                true => held_too_long(&path, timeout, e),
-                false => sqlite_error(e),
-            })?;
+            .map_err(setting_up)?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(Error::store(
                 "sqlite",
@@ -359,13 +369,9 @@ impl SqliteStore {
         let sql = Sql::new(&format!("\"{table}\""));
         let tx = writer
             .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(|e| match is_busy(&e) {
-                true => held_too_long(&path, timeout, e),
-                false => sqlite_error(e),
-            })?;
-        tx.execute_batch(&sql.schema(&table))
-            .map_err(sqlite_error)?;
-        tx.commit().map_err(sqlite_error)?;
+            .map_err(setting_up)?;
+        tx.execute_batch(&sql.schema(&table)).map_err(setting_up)?;
+        tx.commit().map_err(setting_up)?;
         // Writes first try without waiting, then wait by `wait_for_lock` (see
         // `write_raw`).
         writer
