@@ -152,6 +152,14 @@ fn child(store: &str, path: Option<&str>, calls: u64) {
                 let floor = Floor::Redis(RedisFloor::new(&url, prefix).await);
                 (idem::Run::new("run").with_store(store), Some(floor))
             }
+            "sqlite" => {
+                let dir =
+                    std::env::temp_dir().join(format!("idem-instructions-{}", std::process::id()));
+                let store =
+                    idem::SqliteStore::open(dir.join("idem.sqlite")).expect("a SQLite store");
+                let floor = Floor::Sqlite(SqliteFloor::new(dir));
+                (idem::Run::new("run").with_store(store), Some(floor))
+            }
             _ => (
                 idem::Run::new("run").with_store(idem::MemoryStore::new()),
                 None,
@@ -181,6 +189,7 @@ fn child(store: &str, path: Option<&str>, calls: u64) {
 enum Floor {
     Postgres(PostgresFloor),
     Redis(RedisFloor),
+    Sqlite(SqliteFloor),
 }
 
 impl Floor {
@@ -188,6 +197,7 @@ impl Floor {
         match self {
             Floor::Postgres(floor) => floor.select(-1).await,
             Floor::Redis(floor) => floor.get().await,
+            Floor::Sqlite(floor) => floor.select(),
         }
     }
 
@@ -195,6 +205,7 @@ impl Floor {
         match self {
             Floor::Postgres(floor) => floor.two_commits(i as i64).await,
             Floor::Redis(floor) => floor.fenced_miss(i).await,
+            Floor::Sqlite(floor) => floor.two_transactions(i),
         }
     }
 
@@ -202,7 +213,60 @@ impl Floor {
         match self {
             Floor::Postgres(floor) => floor.drop_tables().await,
             Floor::Redis(floor) => floor.clean().await,
+            Floor::Sqlite(floor) => floor.clean(),
         }
+    }
+}
+
+/// The SQLite floors, on a file beside the store's with the store's settings (WAL,
+/// `synchronous = NORMAL`): a `SELECT` by key and a decode; two write transactions.
+struct SqliteFloor {
+    dir: std::path::PathBuf,
+    conn: rusqlite::Connection,
+}
+
+impl SqliteFloor {
+    fn new(dir: std::path::PathBuf) -> Self {
+        let conn = rusqlite::Connection::open(dir.join("floor.sqlite")).expect("the floor's file");
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+             CREATE TABLE floor (key TEXT PRIMARY KEY NOT NULL, value);",
+        )
+        .expect("the floor's table");
+        let value = serde_json::to_string(&receipt(&input(u64::MAX))).unwrap();
+        conn.execute("INSERT INTO floor VALUES ('hit', ?1)", [value])
+            .expect("the hit's row");
+        SqliteFloor { dir, conn }
+    }
+
+    fn select(&self) {
+        let text: String = self
+            .conn
+            .prepare_cached("SELECT value FROM floor WHERE key = 'hit'")
+            .and_then(|mut s| s.query_row([], |r| r.get(0)))
+            .expect("the hit's row");
+        std::hint::black_box(serde_json::from_str::<Receipt>(&text).unwrap());
+    }
+
+    fn two_transactions(&self, i: u64) {
+        let key = format!("owned.{i:064}");
+        let value = serde_json::to_string(&receipt(&input(i))).unwrap();
+        for (sql, value) in [
+            ("INSERT INTO floor VALUES (?1, ?2)", "claim"),
+            ("UPDATE floor SET value = ?2 WHERE key = ?1", value.as_str()),
+        ] {
+            let tx = self.conn.unchecked_transaction().unwrap();
+            tx.prepare_cached(sql)
+                .unwrap()
+                .execute([&key, value])
+                .unwrap();
+            tx.commit().unwrap();
+        }
+    }
+
+    fn clean(self) {
+        drop(self.conn);
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -406,10 +470,10 @@ fn main() {
             "--store" => {
                 store = args
                     .next()
-                    .expect("--store takes memory, postgres or redis")
+                    .expect("--store takes memory, sqlite, postgres or redis")
             }
             other => panic!(
-                "unknown argument {other}; expected --calls N, --store memory|postgres|redis"
+                "unknown argument {other}; expected --calls N, --store memory|sqlite|postgres|redis"
             ),
         }
     }
