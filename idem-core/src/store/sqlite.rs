@@ -45,15 +45,13 @@ use crate::store::{
 /// outside any transaction.
 ///
 /// Writes of one store handle are queued in the process (an async lock around its one
-/// writing connection), so tasks never meet SQLite's busy handler among themselves.
-/// A write that finds the lock held by another process waits for it, off the async
-/// runtime's worker (in `block_in_place` on a multi-threaded runtime), for at most the
+/// writing connection). A write that finds the lock held by another process waits for
+/// it asynchronously, trying again after a pause of 20 µs doubling up to 1 ms (its
+/// thread runs other tasks meanwhile, and its caller may give up), for at most the
 /// store's [timeout](SqliteStoreBuilder::timeout), then fails with an [`Error::Store`]
 /// that says so: a process that holds the lock for long (a long transaction, a process
 /// stopped with SIGSTOP mid-write) costs the others an error, never a hang. The timeout
-/// bounds the whole write, its turn in the process's queue included. While a write
-/// waits, its call cannot be abandoned (a caller's own `tokio::time::timeout` fires once
-/// the write returns): another reason to keep the store's timeout short.
+/// bounds the whole write, its turn in the process's queue included.
 ///
 /// # Durability
 ///
@@ -157,8 +155,10 @@ impl Sql {
             ),
             delete: format!("DELETE FROM {t} WHERE key = ?1"),
             // Whether the row was live; a damaged expiry (not a number) counts as live.
+            // `?1` the key's bytes as text, `?3` as a `BLOB`: a row written by hand may
+            // have either.
             delete_returning: format!(
-                "DELETE FROM {t} WHERE key = ?1 \
+                "DELETE FROM {t} WHERE key = ?1 OR key = ?3 \
                  RETURNING typeof(expires_at) <> 'integer' OR expires_at > ?2"
             ),
             purge: format!(
@@ -226,30 +226,6 @@ fn held_too_long(path: &Path, timeout: Duration, source: rusqlite::Error) -> Err
             source,
         ),
     )
-}
-
-thread_local! {
-    /// Until when this thread's write waits for the lock (see [`wait_for_lock`]);
-    /// `None`: it does not wait.
-    static WAIT_UNTIL: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
-}
-
-/// The writing connection's busy handler: while [`WAIT_UNTIL`] is set and not passed,
-/// sleeps a little (20 µs, doubling up to 1 ms) and tries again. SQLite's own
-/// (`busy_timeout`) sleeps 1, 2, 5, 10, ... 100 ms between tries, so a lock let go
-/// after 50 µs could cost a waiter tens of milliseconds: with four processes writing
-/// at once, that was a p99 of 138 ms per call.
-fn wait_for_lock(tries: i32) -> bool {
-    let Some(deadline) = WAIT_UNTIL.with(std::cell::Cell::get) else {
-        return false;
-    };
-    let now = Instant::now();
-    if now >= deadline {
-        return false;
-    }
-    let pause = Duration::from_micros(20 << tries.clamp(0, 6)).min(Duration::from_millis(1));
-    std::thread::sleep(pause.min(deadline - now));
-    true
 }
 
 /// Opens a connection to `path` with the store's settings.
@@ -372,11 +348,9 @@ impl SqliteStore {
             .map_err(setting_up)?;
         tx.execute_batch(&sql.schema(&table)).map_err(setting_up)?;
         tx.commit().map_err(setting_up)?;
-        // Writes first try without waiting, then wait by `wait_for_lock` (see
+        // A held lock is `SQLITE_BUSY` at once: writes wait for it themselves (see
         // `write_raw`).
-        writer
-            .busy_handler(Some(wait_for_lock))
-            .map_err(sqlite_error)?;
+        writer.busy_timeout(Duration::ZERO).map_err(sqlite_error)?;
         tracing::debug!(path = %path.display(), table, fsync, "opened sqlite store");
         Ok(SqliteStore {
             inner: Arc::new(Inner {
@@ -419,10 +393,14 @@ impl SqliteStore {
     }
 
     /// Runs `f` in a write transaction (`BEGIN IMMEDIATE`) and commits it. Writes of
-    /// this handle take turns; a write lock held by another process is waited for off
-    /// the runtime's worker. The store's timeout bounds the whole: the turn and the
-    /// wait for the lock (a write queued behind others that wait for a stopped
-    /// process fails when its own timeout is up, not one timeout after theirs).
+    /// this handle take turns. A write lock held by another process is waited for
+    /// asynchronously: the transaction is tried again after a pause (20 µs, doubling up
+    /// to 1 ms; SQLite's own busy handler sleeps 1 to 100 ms, and blocks the thread),
+    /// so the call's task can be abandoned meanwhile and its thread runs other tasks.
+    /// The store's timeout bounds the whole: the turn and the wait for the lock (a
+    /// write queued behind others waiting for a stopped process fails when its own
+    /// timeout is up, not one timeout after theirs). No transaction stays open across
+    /// a pause: each try begins, decides, writes and commits in one step.
     async fn write_raw<T>(
         &self,
         mut f: impl FnMut(&rusqlite::Transaction<'_>) -> Result<T, Error>,
@@ -439,30 +417,24 @@ impl SqliteStore {
             // Dropped without a commit: rolled back.
             Ok(result)
         };
-        if !self.inner.fsync {
-            // The common case: the lock is free, and the transaction takes microseconds.
-            match transact(&mut conn) {
-                Err(e) if is_busy(&e) => {}
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let attempt = match self.inner.fsync {
+                // Every commit syncs the WAL, which takes milliseconds: off the worker.
+                true => in_place(|| transact(&mut conn)),
+                false => transact(&mut conn),
+            };
+            match attempt {
+                Err(e) if is_busy(&e) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(held_too_long(&self.inner.path, self.inner.timeout, e));
+                    }
+                    crate::timer::sleep_until((now + pause).min(deadline)).await;
+                    pause = (pause * 2).min(Duration::from_millis(1));
+                }
                 done => return done.map_err(sqlite_error)?,
             }
-        }
-        // Another process holds the lock (or every commit syncs): wait off the worker.
-        let (path, timeout) = (&self.inner.path, self.inner.timeout);
-        let mut wait = || -> Result<T, Error> {
-            WAIT_UNTIL.with(|until| until.set(Some(deadline)));
-            let result = transact(&mut conn);
-            WAIT_UNTIL.with(|until| until.set(None));
-            result.map_err(|e| match is_busy(&e) {
-                true => held_too_long(path, timeout, e),
-                false => sqlite_error(e),
-            })?
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(wait)
-            }
-            // A current-thread runtime, or none: the wait blocks this thread.
-            _ => wait(),
         }
     }
 
@@ -513,6 +485,17 @@ impl SqliteStore {
     }
 }
 
+/// Runs `work` where it may block for milliseconds: in `block_in_place` on a
+/// multi-threaded tokio runtime, in place otherwise.
+fn in_place<R>(work: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(work)
+        }
+        _ => work(),
+    }
+}
+
 /// Whether `name` is a plain SQL identifier.
 fn is_identifier(name: &str) -> bool {
     let mut chars = name.chars();
@@ -544,8 +527,27 @@ struct RawKey {
 impl RawKey {
     /// The cursor: `t` or `b`, then the bytes in hex.
     fn cursor(self) -> Cursor {
-        let hex: String = self.bytes.iter().map(|b| format!("{b:02x}")).collect();
-        Cursor(format!("{}{hex}", if self.blob { 'b' } else { 't' }))
+        Cursor(format!(
+            "{}{}",
+            if self.blob { 'b' } else { 't' },
+            hex(&self.bytes)
+        ))
+    }
+
+    /// The key as an SQL literal of its bytes, `x'…'`: how a key that is not UTF-8
+    /// text is listed, and what [`SqliteStore::delete`] takes for it.
+    fn literal(&self) -> String {
+        format!("x'{}'", hex(&self.bytes))
+    }
+
+    /// The bytes a key given to `delete` stands for: those of its text, or those an
+    /// `x'…'` literal spells (no key idem writes looks like one).
+    fn of(key: &Key) -> Vec<u8> {
+        let text = key.as_str();
+        text.strip_prefix("x'")
+            .and_then(|rest| rest.strip_suffix('\''))
+            .and_then(unhex)
+            .unwrap_or_else(|| text.as_bytes().to_vec())
     }
 
     fn from_cursor(cursor: &Cursor) -> Option<Self> {
@@ -569,6 +571,10 @@ impl rusqlite::ToSql for RawKey {
             false => ValueRef::Text(&self.bytes),
         }))
     }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A payload as SQL: JSON text, or a `BLOB` if it is not UTF-8.
@@ -861,15 +867,27 @@ impl Store for SqliteStore {
     async fn delete(&self, key: &Key) -> Result<bool, Error> {
         let sql = &self.inner.sql;
         let now = ms(Timestamp::now());
+        let bytes = RawKey::of(key);
+        let (text, blob) = (
+            RawKey {
+                blob: false,
+                bytes: bytes.clone(),
+            },
+            RawKey { blob: true, bytes },
+        );
         self.write_raw(|tx| {
-            let live: Option<bool> = tx
+            let mut stmt = tx
                 .prepare_cached(&sql.delete_returning)
-                .and_then(|mut s| {
-                    s.query_row(rusqlite::params![key.as_str(), now], |row| row.get(0))
-                        .optional()
-                })
                 .map_err(sqlite_error)?;
-            Ok(live == Some(true))
+            let mut rows = stmt
+                .query(rusqlite::params![text, now, blob])
+                .map_err(sqlite_error)?;
+            // Whether a row removed was live (a damaged expiry counts as live).
+            let mut live = false;
+            while let Some(row) = rows.next().map_err(sqlite_error)? {
+                live |= row.get::<_, Option<bool>>(0).map_err(sqlite_error)? == Some(true);
+            }
+            Ok(live)
         })
         .await
     }
@@ -963,13 +981,20 @@ impl Store for SqliteStore {
                                 bytes: format!("{other:?}").into_bytes(),
                             },
                         };
-                        let key = Key::from_text(String::from_utf8_lossy(&raw.bytes));
-                        let record = match (raw.blob, std::str::from_utf8(&raw.bytes)) {
-                            (false, Ok(_)) => decode_row(&key, row, 1),
-                            _ => Err(Error::CorruptRecord {
-                                key: key.clone(),
-                                reason: "the key is not UTF-8 text: no key idem writes".to_owned(),
-                            }),
+                        let (key, record) = match (raw.blob, std::str::from_utf8(&raw.bytes)) {
+                            (false, Ok(key)) => {
+                                let key = Key::from_text(key);
+                                let record = decode_row(&key, row, 1);
+                                (key, record)
+                            }
+                            // Shown as its bytes, in a form `delete` takes back.
+                            _ => {
+                                let key = Key::from_text(raw.literal());
+                                let reason = "the key is not UTF-8 text (no key idem writes): \
+                                              shown as an SQL literal of its bytes"
+                                    .to_owned();
+                                (key.clone(), Err(Error::CorruptRecord { key, reason }))
+                            }
                         };
                         Ok((raw, key, record))
                     };
