@@ -64,6 +64,29 @@ async fn compare<F: Future, G: Future>(
     (middle(ta), middle(tb))
 }
 
+/// Time per call of `calls` misses made by `tasks` concurrent tasks, each on a new
+/// email numbered from `from` (apart for each concurrency).
+async fn concurrent_misses(run: &Run, tasks: u64, calls: u64, from: u64) -> Duration {
+    let per_task = calls / tasks;
+    let started = Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|w| {
+            let run = run.clone();
+            tokio::spawn(async move {
+                for i in 0..per_task {
+                    send_email(&run, &email(from * (tasks + 1) + w * 1000 + i, BODY))
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.await.unwrap();
+    }
+    started.elapsed() / (tasks * per_task) as u32
+}
+
 /// Time per call of `n` calls of `op`, numbered on from `i`.
 async fn batch<F: Future>(n: usize, i: &mut u64, op: &mut impl FnMut(u64) -> F) -> Duration {
     let t = Instant::now();
@@ -367,24 +390,7 @@ fn main() {
             Some(("two sled insert + flush", floor)),
         );
         for tasks in [8u64, 64] {
-            let per_task = 640 / tasks;
-            let started = Instant::now();
-            let handles: Vec<_> = (0..tasks)
-                .map(|w| {
-                    let run = run.clone();
-                    tokio::spawn(async move {
-                        for i in 0..per_task {
-                            send_email(&run, &email(10_000_000 * (tasks + 1) + w * 1000 + i, BODY))
-                                .await
-                                .unwrap();
-                        }
-                    })
-                })
-                .collect();
-            for h in handles {
-                h.await.unwrap();
-            }
-            let per_call = started.elapsed() / (tasks * per_task) as u32;
+            let per_call = concurrent_misses(&run, tasks, 640, 10_000_000).await;
             t.row(
                 &format!("sled: miss, durable, {tasks} concurrent, per call"),
                 per_call,
@@ -760,24 +766,7 @@ async fn sqlite_rows(t: &mut Table, n: usize, input: &scenario::SendEmail) {
         Some(("two write transactions", floor)),
     );
     for tasks in [8u64, 64] {
-        let per_task = 1280 / tasks;
-        let started = Instant::now();
-        let handles: Vec<_> = (0..tasks)
-            .map(|w| {
-                let run = run.clone();
-                tokio::spawn(async move {
-                    for i in 0..per_task {
-                        send_email(&run, &email(20_000_000 * (tasks + 1) + w * 1000 + i, BODY))
-                            .await
-                            .unwrap();
-                    }
-                })
-            })
-            .collect();
-        for h in handles {
-            h.await.unwrap();
-        }
-        let per_call = started.elapsed() / (tasks * per_task) as u32;
+        let per_call = concurrent_misses(&run, tasks, 1280, 20_000_000).await;
         t.row(
             &format!("sqlite: miss, {tasks} concurrent, per call"),
             per_call,

@@ -834,6 +834,20 @@ pub(crate) fn page_by_key<P>(
     Ok(page)
 }
 
+/// The rule of [`Store::delete_settled`] for a store that decides in Rust: a live record
+/// is removed (`Ok(None)`: nothing written in its place) unless it is a running call's
+/// claim.
+#[cfg(any(feature = "sled", feature = "sqlite"))]
+pub(crate) fn decide_settled_removal(
+    current: Option<&Record>,
+    now: Timestamp,
+) -> Result<Option<Record>, Fenced> {
+    match current {
+        Some(r) if !r.is_expired(now) && StateKind::of(r, now) != StateKind::Running => Ok(None),
+        _ => Err(Fenced::LostLease),
+    }
+}
+
 /// Bytes written as hex (a listing's cursor over raw keys).
 #[cfg(any(feature = "sled", feature = "sqlite"))]
 pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {

@@ -20,6 +20,22 @@ fn request(fingerprint: u8) -> ClaimRequest {
     }
 }
 
+/// Claims `key` and completes it with `result`.
+async fn complete(store: &SqliteStore, key: &Key, req: &ClaimRequest, result: &[u8]) {
+    let claim = store.claim(key, req).await.unwrap();
+    assert_eq!(claim, Claim::Acquired { took_over: false });
+    let done = store
+        .complete(
+            key,
+            req.token,
+            Outcome::Completed(result),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, Fenced::Applied);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_store_conforms() {
     let dir = tempfile::tempdir().unwrap();
@@ -111,16 +127,7 @@ async fn a_write_lock_held_elsewhere_is_an_error_within_the_timeout() {
     let store = SqliteStore::builder(&path).timeout(timeout).open().unwrap();
     let done_key = Key::from_text("send_email.01");
     let req = request(1);
-    store.claim(&done_key, &req).await.unwrap();
-    store
-        .complete(
-            &done_key,
-            req.token,
-            Outcome::Completed(b"\"m-1\""),
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
+    complete(&store, &done_key, &req, b"\"m-1\"").await;
 
     let holder = rusqlite::Connection::open(&path).unwrap();
     holder.execute_batch("BEGIN IMMEDIATE").unwrap();
@@ -259,17 +266,7 @@ async fn keys_that_are_not_text_are_unreadable_and_the_listing_goes_on() {
     let store = SqliteStore::open(&path).unwrap();
     for i in 0..3u8 {
         let key = Key::from_text(format!("send_email.{i:02x}"));
-        let req = request(i);
-        store.claim(&key, &req).await.unwrap();
-        store
-            .complete(
-                &key,
-                req.token,
-                Outcome::Completed(b"1"),
-                Duration::from_secs(60),
-            )
-            .await
-            .unwrap();
+        complete(&store, &key, &request(i), b"1").await;
     }
     let raw = rusqlite::Connection::open(&path).unwrap();
     for key in [
@@ -371,17 +368,7 @@ async fn the_table_reads_in_sql() {
     let path = dir.path().join("idem.sqlite");
     let store = SqliteStore::open(&path).unwrap();
     let key = Key::from_text("send_email.cd");
-    let req = request(7);
-    store.claim(&key, &req).await.unwrap();
-    store
-        .complete(
-            &key,
-            req.token,
-            Outcome::Completed(br#"{"message_id":"m-42"}"#),
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
+    complete(&store, &key, &request(7), br#"{"message_id":"m-42"}"#).await;
     let raw = rusqlite::Connection::open(&path).unwrap();
     let row: (String, String, String, String) = raw
         .query_row(

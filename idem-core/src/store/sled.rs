@@ -16,8 +16,9 @@ use crate::key::Fingerprint;
 use crate::key_text::Key;
 use crate::record::{Record, Timestamp, Token};
 use crate::store::{
-    decide_claim, decide_fenced, decide_resolution, page_by_key, unhex, Claim, ClaimRequest,
-    Cursor, Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind, Store, WALK_PAGE,
+    decide_claim, decide_fenced, decide_resolution, decide_settled_removal, page_by_key, unhex,
+    Claim, ClaimRequest, Cursor, Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, Store,
+    WALK_PAGE,
 };
 
 /// The embedded, durable default store, backed by [sled](https://docs.rs/sled).
@@ -777,13 +778,7 @@ impl Store for SledStore {
 
     /// A compare-and-swap: removed only if the record read is still there.
     async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
-        let settled = |current: Option<&Record>, now| match current {
-            Some(r) if !r.is_expired(now) && StateKind::of(r, now) != StateKind::Running => {
-                Ok(None)
-            }
-            _ => Err(Fenced::LostLease),
-        };
-        Ok(self.write_if(key, true, settled).await? == Fenced::Applied)
+        Ok(self.write_if(key, true, decide_settled_removal).await? == Fenced::Applied)
     }
 
     /// Walks the listing; each record is judged again and removed in one

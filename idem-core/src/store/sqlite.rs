@@ -15,8 +15,9 @@ use crate::key::Fingerprint;
 use crate::key_text::Key;
 use crate::record::{Meta, Origin, Record, State, Timestamp, Token};
 use crate::store::{
-    decide_claim, decide_fenced, decide_resolution, page_by_key, unhex, Claim, ClaimRequest,
-    Cursor, Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, StateKind, Store, WALK_PAGE,
+    decide_claim, decide_fenced, decide_resolution, decide_settled_removal, page_by_key, unhex,
+    Claim, ClaimRequest, Cursor, Fenced, Filter, Outcome, OwnerWrite, Page, Resolution, Store,
+    WALK_PAGE,
 };
 
 /// `SqliteStore`: records in one SQLite database file, which several processes on one
@@ -893,11 +894,7 @@ impl Store for SqliteStore {
     }
 
     async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
-        let settled = |current: Option<&Record>, now| match current {
-            Some(r) if StateKind::of(r, now) != StateKind::Running => Ok(None),
-            _ => Err(Fenced::LostLease),
-        };
-        Ok(self.write_if(key, settled).await? == Fenced::Applied)
+        Ok(self.write_if(key, decide_settled_removal).await? == Fenced::Applied)
     }
 
     /// Walks the listing; each record is judged again and removed in its own write
