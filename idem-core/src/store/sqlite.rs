@@ -219,9 +219,9 @@ fn held_too_long(path: &Path, timeout: Duration, source: rusqlite::Error) -> Err
         "sqlite",
         Fault::new(
             format!(
-                "the write lock of {} stayed held by another connection for {timeout:?} (the \
-                 store's timeout): a long transaction in another process, or a process \
-                 stopped while writing",
+                "the write lock of {} stayed held by another connection until the store's \
+                 timeout ({timeout:?}) ran out: a long transaction in another process, or a \
+                 process stopped while writing",
                 path.display()
             ),
             source,
