@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
-/// Work on the blocking pool, and its result to come (awaited by the sled store; the
-/// memory store only hands work off).
+/// Work on the blocking pool, and its result to come (awaited by the sled and SQLite
+/// stores; the memory store only hands work off).
 #[cfg_attr(not(any(feature = "sled", feature = "sqlite")), allow(dead_code))]
 pub(crate) struct HandedOff<F, R> {
     /// The work, until a pool thread takes it.
