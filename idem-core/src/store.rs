@@ -286,8 +286,8 @@ pub trait Store: Send + Sync + 'static {
         DEFAULT_MAX_RESULT_BYTES
     }
 
-    /// A short fixed name of the kind of store (`memory`, `sled`, `sqlite`, `postgres`, `redis`),
-    /// for spans and metric labels (`idem.store`, `store`). Default: `custom`.
+    /// A short fixed name of the kind of store (`memory`, `sled`, `sqlite`, `postgres`,
+    /// `redis`), for spans and metric labels (`idem.store`, `store`). Default: `custom`.
     fn name(&self) -> &'static str {
         "custom"
     }
