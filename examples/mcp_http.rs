@@ -45,7 +45,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let [flag, port] = args.as_slice() {
         if flag == "--serve" {
-            let mailer = Mailer::new(idem::default_store()?);
+            let mailer = Mailer::new().idempotent(idem::default_store()?);
             let addr = serve(mailer, port.parse()?).await?;
             println!("serving MCP at http://{addr}/mcp (Ctrl-C to stop)");
             tokio::signal::ctrl_c().await?;
@@ -54,8 +54,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let latency = Duration::from_millis(1500);
-    let mailer = Mailer::new(Arc::new(MemoryStore::new())).with_latency(latency);
-    let addr = serve(mailer.clone(), 0).await?;
+    let mailer = Mailer::new().with_latency(latency);
+    let addr = serve(mailer.idempotent(Arc::new(MemoryStore::new())), 0).await?;
     println!(
         "MCP server at http://{addr}/mcp; the email provider answers {latency:?} after sending"
     );

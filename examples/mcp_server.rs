@@ -11,15 +11,11 @@
 //! default store (`$IDEM_DIR`, else `./.idem`), so a retry after a server restart is
 //! replayed too. The server logs to stderr (`RUST_LOG=idem=debug` for each decision).
 //!
-//! The tool itself is in `examples/support/mcp.rs`: `send_email` stops waiting when
-//! rmcp cancels the request (`ctx.ct`), while the idempotent call inside it finishes and
-//! records its result, so the client's retry gets it:
+//! The server in `examples/support/mcp.rs` knows nothing of idem; one line makes its
+//! side-effecting tools idempotent:
 //!
 //! ```ignore
-//! #[idempotent(name = "send_email", run = self.run_of(&ctx), skip = [ctx],
-//!              map_error = mcp_error, on_cancel = "finish")]
-//! async fn deliver(&self, email: SendEmail, ctx: RequestContext<RoleServer>)
-//!     -> Result<Sent, ErrorData> { .. }
+//! let service = idem::mcp::Idempotent::new(Mailer::new()).shared_store(store);
 //! ```
 //!
 //! `cargo run --example mcp_http` serves the same tool over streamable HTTP.
@@ -39,7 +35,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
 
     let store = idem::default_store()?;
-    let server = mcp::Mailer::new(store)
+    let server = idem::mcp::Idempotent::new(mcp::Mailer::new())
+        .shared_store(store)
         .serve(rmcp::transport::stdio())
         .await?;
     server.waiting().await?;

@@ -86,6 +86,12 @@ pub use idem_core::{SledStore, SledStoreBuilder};
 pub use idem_core::{SqliteStore, SqliteStoreBuilder};
 pub use idem_macros::idempotent;
 
+/// Exactly-once `tools/call` for MCP servers: [`Idempotent`](mcp::Idempotent) wraps
+/// any rmcp server, and [`Policy`](mcp::Policy) holds the rules (which tools, where the
+/// run id is, what a replay says). See `docs/frameworks.md`.
+#[cfg(feature = "rmcp")]
+pub use idem_core::mcp;
+
 /// For authors of stores: the [`Store`] trait and its contract, the claim rule, records,
 /// and (feature `testing`) the conformance suite every store must pass.
 pub mod store {

@@ -7,8 +7,9 @@ mod mcp;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use idem::mcp::{REPLAYED_META_KEY, RUN_META_KEY};
 use idem::{idempotent, MemoryStore, Run, Store};
-use mcp::{Mailer, Sent, REPLAYED_META_KEY, RUN_META_KEY};
+use mcp::{Mailer, Sent};
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
@@ -16,13 +17,15 @@ use rmcp::model::{
     ServerCapabilities, ServerConfig,
 };
 use rmcp::service::{RequestContext, RunningService, ServiceError};
-use rmcp::{tool, tool_handler, tool_router, RoleClient, RoleServer, ServerHandler, ServiceExt};
+use rmcp::{
+    tool, tool_handler, tool_router, RoleClient, RoleServer, ServerHandler, Service, ServiceExt,
+};
 use serde_json::json;
 
 type Client = RunningService<RoleClient, ()>;
 
 /// Serves `server` on one end of an in-memory pipe and connects a client to the other.
-async fn connect<S: ServerHandler>(server: S) -> Client {
+async fn connect<S: Service<RoleServer>>(server: S) -> Client {
     let (server_end, client_end) = tokio::io::duplex(64 * 1024);
     tokio::spawn(async move {
         if let Ok(running) = server.serve(server_end).await {
@@ -75,8 +78,9 @@ fn sent(result: &CallToolResult) -> Sent {
 
 #[tokio::test]
 async fn same_run_and_arguments_send_once_and_return_the_same_result() {
-    let mailer = Mailer::new(Arc::new(MemoryStore::new()));
-    let client = connect(mailer.clone()).await;
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let mailer = Mailer::new();
+    let client = connect(mailer.idempotent(store.clone())).await;
 
     let first = client
         .call_tool(call("send_email", email(), Some("run-1")))
@@ -122,16 +126,17 @@ async fn same_run_and_arguments_send_once_and_return_the_same_result() {
 #[tokio::test]
 async fn a_retry_on_a_new_connection_is_replayed() {
     // The agent timed out, reconnected (a new MCP session) and retried.
-    let mailer = Mailer::new(Arc::new(MemoryStore::new()));
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let mailer = Mailer::new();
 
-    let first_session = connect(mailer.clone()).await;
+    let first_session = connect(mailer.idempotent(store.clone())).await;
     let first = first_session
         .call_tool(call("send_email", email(), Some("run-7")))
         .await
         .unwrap();
     first_session.cancel().await.unwrap();
 
-    let second_session = connect(mailer.clone()).await;
+    let second_session = connect(mailer.idempotent(store.clone())).await;
     let retry = second_session
         .call_tool(call("send_email", email(), Some("run-7")))
         .await
@@ -148,8 +153,9 @@ async fn a_request_the_client_cancels_finishes_and_its_retry_gets_the_result() {
     use rmcp::service::PeerRequestOptions;
     use std::time::{Duration, Instant};
 
-    let mailer = Mailer::new(Arc::new(MemoryStore::new())).with_latency(Duration::from_secs(1));
-    let client = connect(mailer.clone()).await;
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let mailer = Mailer::new().with_latency(Duration::from_secs(1));
+    let client = connect(mailer.idempotent(store.clone())).await;
     let request = ClientRequest::CallToolRequest(CallToolRequest::new(call(
         "send_email",
         email(),
@@ -186,8 +192,9 @@ async fn a_request_the_client_cancels_finishes_and_its_retry_gets_the_result() {
 
 #[tokio::test]
 async fn concurrent_duplicates_send_once() {
-    let mailer = Mailer::new(Arc::new(MemoryStore::new()));
-    let client = Arc::new(connect(mailer.clone()).await);
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let mailer = Mailer::new();
+    let client = Arc::new(connect(mailer.idempotent(store.clone())).await);
     let calls = (0..8).map(|_| {
         let client = client.clone();
         tokio::spawn(async move {
@@ -213,8 +220,9 @@ async fn concurrent_duplicates_send_once() {
 
 #[tokio::test]
 async fn a_call_without_a_run_id_is_refused_and_sends_nothing() {
-    let mailer = Mailer::new(Arc::new(MemoryStore::new()));
-    let client = connect(mailer.clone()).await;
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let mailer = Mailer::new();
+    let client = connect(mailer.idempotent(store.clone())).await;
 
     let error = client
         .call_tool(call("send_email", email(), None))
@@ -256,6 +264,13 @@ async fn a_call_without_a_run_id_is_refused_and_sends_nothing() {
     client.cancel().await.unwrap();
 }
 
+/// idem's errors as MCP errors, for tools made idempotent with the attribute: the
+/// rules `idem::mcp` gives the layer's calls.
+fn mcp_error(error: idem::Error) -> ErrorData {
+    let (code, message) = idem::mcp::rpc_error(&error, RUN_META_KEY);
+    ErrorData::new(ErrorCode(code as i32), message, None)
+}
+
 /// The other attribute order: `#[tool]` above `#[idempotent]`, so `#[idempotent]` sees
 /// the boxed future `#[tool]` emits. Two tools whose arguments serialize identically,
 /// to check they never share a key.
@@ -292,7 +307,7 @@ impl Counter {
 #[tool_router]
 impl Counter {
     #[tool(description = "Charge an amount.")]
-    #[idempotent(run = self.run_of(&ctx), skip = [ctx], map_error = mcp::mcp_error)]
+    #[idempotent(run = self.run_of(&ctx), skip = [ctx], map_error = mcp_error)]
     async fn charge(
         &self,
         Parameters(amount): Parameters<Amount>,
@@ -303,7 +318,7 @@ impl Counter {
     }
 
     #[tool(description = "Refund an amount.")]
-    #[idempotent(run = self.run_of(&ctx), skip = [ctx], map_error = mcp::mcp_error)]
+    #[idempotent(run = self.run_of(&ctx), skip = [ctx], map_error = mcp_error)]
     async fn refund(
         &self,
         Parameters(amount): Parameters<Amount>,
@@ -375,7 +390,7 @@ fn rand_token() -> u64 {
 #[tokio::test]
 async fn tools_are_listed_with_their_schema() {
     // The attribute leaves the signature alone, so rmcp still derives the input schema.
-    let client = connect(Mailer::new(Arc::new(MemoryStore::new()))).await;
+    let client = connect(Mailer::new().idempotent(Arc::new(MemoryStore::new()))).await;
     let tools = client.list_all_tools().await.unwrap();
     let send = tools
         .iter()

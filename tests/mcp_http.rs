@@ -46,9 +46,10 @@ async fn a_call_whose_client_hung_up_is_answered_on_retry_with_one_side_effect()
     let _logs = tracing::subscriber::set_default(subscriber);
 
     // The provider sends at once and answers after 1.5 s.
-    let mailer =
-        Mailer::new(Arc::new(MemoryStore::new())).with_latency(Duration::from_millis(1500));
-    let addr = serve(mailer.clone(), 0).await.unwrap();
+    let mailer = Mailer::new().with_latency(Duration::from_millis(1500));
+    let addr = serve(mailer.idempotent(Arc::new(MemoryStore::new())), 0)
+        .await
+        .unwrap();
 
     let first = tools_call(1, "send_email", email(), "run-http-1");
     post_and_hang_up(addr, &first, mailer.sent_at_least(1))
@@ -90,8 +91,10 @@ async fn a_call_whose_client_hung_up_is_answered_on_retry_with_one_side_effect()
 
 #[tokio::test]
 async fn the_tool_is_listed_as_idempotent_with_an_output_schema() {
-    let mailer = Mailer::new(Arc::new(MemoryStore::new()));
-    let addr = serve(mailer, 0).await.unwrap();
+    let mailer = Mailer::new();
+    let addr = serve(mailer.idempotent(Arc::new(MemoryStore::new())), 0)
+        .await
+        .unwrap();
     let list = json!({
         "jsonrpc": "2.0",
         "id": 1,
@@ -117,13 +120,15 @@ async fn the_tool_is_listed_as_idempotent_with_an_output_schema() {
 
 #[tokio::test]
 async fn a_call_without_a_run_id_is_refused_over_http_and_sends_nothing() {
-    let mailer = Mailer::new(Arc::new(MemoryStore::new()));
-    let addr = serve(mailer.clone(), 0).await.unwrap();
+    let mailer = Mailer::new();
+    let addr = serve(mailer.idempotent(Arc::new(MemoryStore::new())), 0)
+        .await
+        .unwrap();
     let mut call = tools_call(1, "send_email", email(), "unused");
     call["params"]["_meta"]
         .as_object_mut()
         .unwrap()
-        .remove(mcp::RUN_META_KEY);
+        .remove(idem::mcp::RUN_META_KEY);
     let answer = post(addr, &call).await;
     let text = format!("{answer:?}");
     assert!(text.contains("_meta[\\\"idem/run\\\"]"), "{text}");

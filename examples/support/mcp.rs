@@ -1,37 +1,28 @@
-//! An MCP server (rmcp) whose side-effecting tool is idempotent. Shared by the
+//! An MCP server (rmcp) with a side-effecting tool, made idempotent by one line:
+//! [`Mailer::idempotent`] wraps it in `idem::mcp::Idempotent`. Shared by the
 //! `mcp_server` (stdio) and `mcp_http` (streamable HTTP) examples and the MCP tests.
 //!
-//! The pattern: the run id read from the request's `_meta["idem/run"]`, the request
-//! context skipped from the key, and a tool that stops waiting when rmcp cancels the
-//! request (`ctx.ct`: the client sent `notifications/cancelled`, or hung up) while the
-//! idempotent call inside it, `on_cancel = "finish"`, runs to its end and records its
-//! outcome, so the client's retry gets that result and the side effect happens once.
+//! The server itself knows nothing of idem: `send_email` sends, every time it runs.
+//! The layer reads the agent's run id from each `tools/call` request's
+//! `_meta["idem/run"]`, runs the tool once per run and arguments, answers retries with
+//! the first result (`_meta["idem/replayed"] = true`), and lets a call whose request
+//! was cancelled run to its end and record its result for the retry.
 
 #![allow(dead_code)]
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::{idempotent, Error, Run, Store};
+use idem::mcp::Idempotent;
+use idem::Store;
 use rmcp::handler::server::router::tool::ToolRouter;
-use rmcp::handler::server::tool::{schema_for_output, IntoCallToolResult};
+use rmcp::handler::server::tool::schema_for_output;
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{
-    CallToolResponse, CallToolResult, ErrorData, MetaObject, ServerCapabilities, ServerConfig,
-};
+use rmcp::model::{CallToolResult, ErrorData, Implementation, ServerCapabilities, ServerConfig};
 use rmcp::schemars::JsonSchema;
-use rmcp::service::RequestContext;
-use rmcp::{tool, tool_handler, tool_router, RoleServer, ServerHandler};
+use rmcp::{tool, tool_handler, tool_router, ServerHandler};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
-
-/// The request `_meta` field that carries the agent's run id. The id must stay the
-/// same across the run's retries, reconnections and server restarts.
-pub const RUN_META_KEY: &str = "idem/run";
-
-/// The result `_meta` field that says the result was replayed: an earlier call with
-/// the same run and arguments ran the tool, and this call returns its result.
-pub const REPLAYED_META_KEY: &str = "idem/replayed";
 
 /// The `send_email` tool's arguments.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -45,8 +36,8 @@ pub struct SendEmail {
     pub body: String,
 }
 
-/// What `send_email` returns, and what idem stores and replays: the tool's structured
-/// content, described by its output schema.
+/// What `send_email` returns: the tool's structured content, described by its output
+/// schema, and what idem stores and replays.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[schemars(crate = "rmcp::schemars")]
 pub struct Sent {
@@ -56,33 +47,9 @@ pub struct Sent {
     pub to: String,
 }
 
-impl IntoCallToolResult for Sent {
-    fn into_call_tool_result(self) -> Result<CallToolResponse, ErrorData> {
-        self.into_result(false).map(Into::into)
-    }
-}
-
-impl Sent {
-    /// The tool's result: this receipt as structured content, and, when it was
-    /// replayed (the email was sent by an earlier call, not now),
-    /// `_meta["idem/replayed"] = true`.
-    pub fn into_result(self, replayed: bool) -> Result<CallToolResult, ErrorData> {
-        let value = serde_json::to_value(&self)
-            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
-        let mut result = CallToolResult::structured(value);
-        if replayed {
-            let mut meta = MetaObject::new();
-            meta.0.insert(REPLAYED_META_KEY.to_owned(), true.into());
-            result.meta = Some(meta);
-        }
-        Ok(result)
-    }
-}
-
 /// The MCP server: one email tool, an outbox that records every real send.
 #[derive(Clone)]
 pub struct Mailer {
-    store: Arc<dyn Store>,
     outbox: Arc<Mutex<Vec<SendEmail>>>,
     /// How long the provider takes to answer after it sent an email.
     latency: Duration,
@@ -91,11 +58,16 @@ pub struct Mailer {
     tool_router: ToolRouter<Self>,
 }
 
+impl Default for Mailer {
+    fn default() -> Self {
+        Mailer::new()
+    }
+}
+
 impl Mailer {
-    /// A server keeping its idempotency records in `store`.
-    pub fn new(store: Arc<dyn Store>) -> Self {
+    /// A server whose provider answers at once.
+    pub fn new() -> Self {
         Mailer {
-            store,
             outbox: Arc::default(),
             latency: Duration::ZERO,
             sent: watch::Sender::new(0),
@@ -109,6 +81,12 @@ impl Mailer {
         self
     }
 
+    /// This server (a handle: its outbox is shared) with its side-effecting tools
+    /// idempotent, their records in `store`.
+    pub fn idempotent(&self, store: Arc<dyn Store>) -> Idempotent<Mailer> {
+        Idempotent::new(self.clone()).shared_store(store)
+    }
+
     /// Every email really sent, in order.
     pub fn outbox(&self) -> Vec<SendEmail> {
         self.outbox.lock().map(|o| o.clone()).unwrap_or_default()
@@ -119,30 +97,21 @@ impl Mailer {
         let mut sent = self.sent.subscribe();
         let _ = sent.wait_for(|sent| *sent >= n).await;
     }
-
-    /// The run a request belongs to: `_meta["idem/run"]`, if the client sent one.
-    fn run_of(&self, ctx: &RequestContext<RoleServer>) -> Option<Run> {
-        let id = ctx.meta.get(RUN_META_KEY)?.as_str()?;
-        Some(Run::new(id).with_shared_store(self.store.clone()))
-    }
 }
 
+#[tool_router]
 impl Mailer {
-    /// The side effect, at most once per run and email. When the request that started
-    /// it is cancelled, it runs on to its end (`on_cancel = "finish"`, on a clone of the
-    /// server: a handle, whose outbox is shared).
-    #[idempotent(
-        name = "send_email",
-        run = self.run_of(&ctx),
-        skip = [ctx],
-        map_error = mcp_error,
-        on_cancel = "finish"
+    /// Send an email: every call sends one. (Made idempotent by the layer around the
+    /// server, not here.)
+    #[tool(
+        description = "Send an email. Retries with the same run id (_meta[\"idem/run\"]) and arguments send it once.",
+        annotations(destructive_hint = false, read_only_hint = false),
+        output_schema = schema_for_output::<Sent>()
     )]
-    async fn deliver(
+    async fn send_email(
         &self,
-        email: SendEmail,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<Sent, ErrorData> {
+        Parameters(email): Parameters<SendEmail>,
+    ) -> Result<CallToolResult, ErrorData> {
         let message_id = {
             let mut outbox = self
                 .outbox
@@ -153,68 +122,28 @@ impl Mailer {
         };
         self.sent.send_modify(|sent| *sent += 1);
         tokio::time::sleep(self.latency).await;
-        Ok(Sent {
+        let sent = Sent {
             message_id,
             to: email.to,
-        })
-    }
-}
-
-#[tool_router]
-impl Mailer {
-    /// Send an email. Retrying with the same run id and arguments returns the first
-    /// result without sending again; so does a retry after the request was lost. A
-    /// replayed result says so in its `_meta["idem/replayed"]`.
-    #[tool(
-        description = "Send an email. Retries with the same run id (_meta[\"idem/run\"]) and arguments send it once.",
-        annotations(idempotent_hint = true, destructive_hint = false, read_only_hint = false),
-        output_schema = schema_for_output::<Sent>()
-    )]
-    async fn send_email(
-        &self,
-        Parameters(email): Parameters<SendEmail>,
-        ctx: RequestContext<RoleServer>,
-    ) -> Result<CallToolResult, ErrorData> {
-        let cancelled = ctx.ct.clone();
-        tokio::select! {
-            (sent, call) = idem::observe(self.deliver(email, ctx)) => {
-                sent?.into_result(call.is_some_and(|call| call.replayed()))
-            }
-            () = cancelled.cancelled() => {
-                tracing::info!("send_email: the request was cancelled; the email finishes in the background");
-                Err(ErrorData::internal_error("request cancelled", None))
-            }
-        }
+        };
+        let value = serde_json::to_value(&sent)
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        Ok(CallToolResult::structured(value))
     }
 }
 
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for Mailer {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
-            "Tools with side effects are idempotent per run: send the agent's run id as \
-             _meta[\"idem/run\"] on every tools/call, and retry freely (with a new request id) \
-             when a request is lost.",
-        )
-    }
-}
-
-/// idem's errors as MCP errors. A request without a run id, or with a blank one (every
-/// such client would share one run), is the client's mistake (invalid params), named
-/// precisely so the client can fix it.
-pub fn mcp_error(error: Error) -> ErrorData {
-    match error {
-        Error::NoRun { tool, .. } => ErrorData::invalid_params(
-            format!(
-                "`{tool}` has side effects and needs the agent's run id: send it as a \
-                 non-empty string in the request's _meta[\"{RUN_META_KEY}\"], the same on \
-                 every retry"
-            ),
-            None,
-        ),
-        Error::PayloadMismatch { .. } | Error::Input { .. } => {
-            ErrorData::invalid_params(error.to_string(), None)
-        }
-        other => ErrorData::internal_error(other.to_string(), None),
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new(
+                "idem-mailer",
+                env!("CARGO_PKG_VERSION"),
+            ))
+            .with_instructions(
+                "Tools with side effects are idempotent per run: send the agent's run id as \
+                 _meta[\"idem/run\"] on every tools/call, and retry freely (with a new request \
+                 id) when a request is lost.",
+            )
     }
 }

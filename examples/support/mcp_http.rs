@@ -17,19 +17,21 @@ use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, Stream
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 
-use super::mcp::{Mailer, RUN_META_KEY};
+use idem::mcp::{Idempotent, RUN_META_KEY};
+
+use super::mcp::Mailer;
 
 /// The protocol revision the client speaks.
 pub const PROTOCOL_VERSION: &str = "2026-07-28";
 
-/// Serves `mailer` at `http://<addr>/mcp` on 127.0.0.1 (port 0: any free port), on the
+/// Serves `service` at `http://<addr>/mcp` on 127.0.0.1 (port 0: any free port), on the
 /// current tokio runtime. Returns the address it listens on.
-pub async fn serve(mailer: Mailer, port: u16) -> std::io::Result<SocketAddr> {
+pub async fn serve(service: Idempotent<Mailer>, port: u16) -> std::io::Result<SocketAddr> {
     let mut config = StreamableHttpServerConfig::default();
     config.legacy_session_mode = false;
     config.json_response = true;
     let service = StreamableHttpService::new(
-        move || Ok(mailer.clone()),
+        move || Ok(service.clone()),
         Arc::new(LocalSessionManager::default()),
         config,
     );

@@ -40,6 +40,8 @@ mod error;
 mod heartbeat;
 mod key;
 mod key_text;
+#[cfg(feature = "mcp")]
+pub mod mcp;
 mod options;
 mod protocol;
 mod read_back;
