@@ -1,0 +1,405 @@
+//! `idem::mcp::Idempotent` around an rmcp server that knows nothing of idem: which
+//! tools it protects, what it stores, and its options. An rmcp client talks to it over
+//! an in-memory transport, as an agent would over stdio.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem::mcp::{Idempotent, WithoutRun, REPLAYED_META_KEY, RUN_META_KEY};
+use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Record, Token};
+use idem::{Key, MemoryStore, Store, Tool};
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, ContentBlock as Content, ErrorCode, ErrorData,
+    RequestMetaObject, ServerCapabilities, ServerConfig,
+};
+use rmcp::service::{RunningService, ServiceError};
+use rmcp::{
+    tool, tool_handler, tool_router, RoleClient, RoleServer, ServerHandler, Service, ServiceExt,
+};
+use serde_json::{json, Value};
+
+type Client = RunningService<RoleClient, ()>;
+
+async fn connect<S: Service<RoleServer>>(server: S) -> Client {
+    let (server_end, client_end) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(async move {
+        if let Ok(running) = server.serve(server_end).await {
+            let _ = running.waiting().await;
+        }
+    });
+    ().serve(client_end).await.expect("client connects")
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize, rmcp::schemars::JsonSchema)]
+#[schemars(crate = "rmcp::schemars")]
+struct Order {
+    item: String,
+    qty: u32,
+}
+
+/// A shop whose tools count how many times they really ran.
+#[derive(Clone, Default)]
+struct Shop {
+    orders: Arc<AtomicUsize>,
+    lookups: Arc<AtomicUsize>,
+    flaky: Arc<AtomicUsize>,
+    tool_router: ToolRouter<Self>,
+}
+
+impl Shop {
+    fn new() -> Self {
+        Shop {
+            tool_router: Self::tool_router(),
+            ..Shop::default()
+        }
+    }
+
+    fn idempotent(&self) -> Idempotent<Shop> {
+        Idempotent::new(self.clone()).store(MemoryStore::new())
+    }
+}
+
+#[tool_router]
+impl Shop {
+    #[tool(description = "Place an order.")]
+    async fn order(
+        &self,
+        Parameters(order): Parameters<Order>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let n = self.orders.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(CallToolResult::success(vec![Content::text(format!(
+            "order {n}: {} x {}",
+            order.qty, order.item
+        ))]))
+    }
+
+    #[tool(description = "Look up stock.", annotations(read_only_hint = true))]
+    async fn stock(
+        &self,
+        Parameters(order): Parameters<Order>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let n = self.lookups.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(CallToolResult::success(vec![Content::text(format!(
+            "lookup {n}: {}",
+            order.item
+        ))]))
+    }
+
+    #[tool(description = "Fails with a tool error on its first call, then succeeds.")]
+    async fn flaky(
+        &self,
+        Parameters(order): Parameters<Order>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let n = self.flaky.fetch_add(1, Ordering::SeqCst) + 1;
+        let text = Content::text(format!("flaky {n}: {}", order.item));
+        Ok(if n == 1 {
+            CallToolResult::error(vec![text])
+        } else {
+            CallToolResult::success(vec![text])
+        })
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+impl ServerHandler for Shop {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+}
+
+fn call(tool: &str, arguments: Value, meta: &[(&str, Value)]) -> CallToolRequestParams {
+    let arguments = arguments.as_object().cloned().unwrap_or_default();
+    let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments);
+    if !meta.is_empty() {
+        let mut object = RequestMetaObject::new();
+        for (key, value) in meta {
+            object.insert((*key).to_owned(), value.clone());
+        }
+        params.meta = Some(object);
+    }
+    params
+}
+
+fn in_run(tool: &str, arguments: Value, run: &str) -> CallToolRequestParams {
+    call(tool, arguments, &[(RUN_META_KEY, json!(run))])
+}
+
+fn text(result: &CallToolResult) -> String {
+    result
+        .content
+        .first()
+        .and_then(|c| c.as_text())
+        .map(|t| t.text.clone())
+        .unwrap_or_default()
+}
+
+fn replayed(result: &CallToolResult) -> bool {
+    result
+        .meta
+        .as_ref()
+        .and_then(|m| m.0.get(REPLAYED_META_KEY))
+        == Some(&json!(true))
+}
+
+fn order() -> Value {
+    json!({"item": "tea", "qty": 2})
+}
+
+#[tokio::test]
+async fn a_retry_is_replayed_and_reordered_arguments_are_the_same_call() {
+    let shop = Shop::new();
+    let client = connect(shop.idempotent()).await;
+    let first = client
+        .call_tool(in_run("order", order(), "r1"))
+        .await
+        .unwrap();
+    // The same arguments, keys in another order.
+    let reordered = json!({"qty": 2, "item": "tea"});
+    let retry = client
+        .call_tool(in_run("order", reordered, "r1"))
+        .await
+        .unwrap();
+    assert_eq!(shop.orders.load(Ordering::SeqCst), 1, "one order placed");
+    assert_eq!(text(&first), text(&retry));
+    assert!(
+        !replayed(&first) && replayed(&retry),
+        "{first:?} / {retry:?}"
+    );
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_read_only_tool_runs_every_time_and_is_not_marked() {
+    let shop = Shop::new();
+    let client = connect(shop.idempotent()).await;
+    for _ in 0..2 {
+        let result = client
+            .call_tool(in_run("stock", order(), "r1"))
+            .await
+            .unwrap();
+        assert!(!replayed(&result));
+    }
+    // Without a run id too: a read-only tool needs none.
+    client.call_tool(call("stock", order(), &[])).await.unwrap();
+    assert_eq!(shop.lookups.load(Ordering::SeqCst), 3);
+
+    let tools = client.list_all_tools().await.unwrap();
+    let hint = |name: &str| {
+        let tool = tools.iter().find(|t| t.name == name).expect("listed");
+        tool.annotations.as_ref().and_then(|a| a.idempotent_hint)
+    };
+    assert_eq!(hint("order"), Some(true));
+    assert_eq!(hint("flaky"), Some(true));
+    assert_eq!(hint("stock"), None, "a read-only tool is left as it is");
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_tool_error_is_not_stored_unless_asked() {
+    let shop = Shop::new();
+    let client = connect(shop.idempotent()).await;
+    let first = client
+        .call_tool(in_run("flaky", order(), "r1"))
+        .await
+        .unwrap();
+    assert_eq!(first.is_error, Some(true));
+    let second = client
+        .call_tool(in_run("flaky", order(), "r1"))
+        .await
+        .unwrap();
+    assert_ne!(second.is_error, Some(true), "the retry ran: {second:?}");
+    assert!(!replayed(&second));
+    let third = client
+        .call_tool(in_run("flaky", order(), "r1"))
+        .await
+        .unwrap();
+    assert!(replayed(&third) && text(&third) == text(&second));
+    assert_eq!(shop.flaky.load(Ordering::SeqCst), 2);
+    client.cancel().await.unwrap();
+
+    // Stored when asked: the retry gets the error, and the tool runs once.
+    let shop = Shop::new();
+    let client = connect(shop.idempotent().store_tool_errors()).await;
+    let first = client
+        .call_tool(in_run("flaky", order(), "r1"))
+        .await
+        .unwrap();
+    let retry = client
+        .call_tool(in_run("flaky", order(), "r1"))
+        .await
+        .unwrap();
+    assert_eq!(retry.is_error, Some(true));
+    assert!(replayed(&retry) && text(&retry) == text(&first));
+    assert_eq!(shop.flaky.load(Ordering::SeqCst), 1);
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn exempt_and_added_tools() {
+    let shop = Shop::new();
+    let layer = shop.idempotent().exempt("order").tool(Tool::new("stock"));
+    let client = connect(layer).await;
+    for _ in 0..2 {
+        client
+            .call_tool(in_run("order", order(), "r1"))
+            .await
+            .unwrap();
+        client
+            .call_tool(in_run("stock", order(), "r1"))
+            .await
+            .unwrap();
+    }
+    assert_eq!(shop.orders.load(Ordering::SeqCst), 2, "exempt: ran twice");
+    assert_eq!(shop.lookups.load(Ordering::SeqCst), 1, "added: ran once");
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn options_for_all_tools_and_for_one() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let shop = Shop::new();
+    let layer = Idempotent::new(shop.clone())
+        .shared_store(Arc::clone(&store))
+        .defaults(|tool| tool.ttl(Duration::from_millis(300)))
+        .tool(Tool::new("flaky").ttl(Duration::from_secs(3600)));
+    let client = connect(layer).await;
+    client
+        .call_tool(in_run("order", order(), "r1"))
+        .await
+        .unwrap();
+    client
+        .call_tool(in_run("flaky", order(), "r1"))
+        .await
+        .unwrap(); // a tool error
+    client
+        .call_tool(in_run("flaky", order(), "r1"))
+        .await
+        .unwrap(); // stored, for an hour
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // `order`'s record lived 300 ms: it runs again. `flaky`'s lives on: replayed.
+    client
+        .call_tool(in_run("order", order(), "r1"))
+        .await
+        .unwrap();
+    let flaky = client
+        .call_tool(in_run("flaky", order(), "r1"))
+        .await
+        .unwrap();
+    assert_eq!(shop.orders.load(Ordering::SeqCst), 2);
+    assert_eq!(shop.flaky.load(Ordering::SeqCst), 2);
+    assert!(replayed(&flaky));
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_run_id_field_can_be_renamed_and_calls_without_one_forwarded() {
+    let shop = Shop::new();
+    let layer = shop
+        .idempotent()
+        .run_meta_key("acme/session")
+        .without_run(WithoutRun::Forward);
+    let client = connect(layer).await;
+    let meta = [("acme/session", json!("s1"))];
+    client
+        .call_tool(call("order", order(), &meta))
+        .await
+        .unwrap();
+    let retry = client
+        .call_tool(call("order", order(), &meta))
+        .await
+        .unwrap();
+    assert!(replayed(&retry));
+    assert_eq!(shop.orders.load(Ordering::SeqCst), 1);
+    // No run id: forwarded, unprotected (runs each time).
+    client.call_tool(call("order", order(), &[])).await.unwrap();
+    client
+        .call_tool(in_run("order", order(), "r1"))
+        .await
+        .unwrap();
+    assert_eq!(shop.orders.load(Ordering::SeqCst), 3);
+    client.cancel().await.unwrap();
+
+    // Refused by default, naming the renamed field.
+    let shop = Shop::new();
+    let client = connect(shop.idempotent().run_meta_key("acme/session")).await;
+    let error = client.call_tool(in_run("order", order(), "r1")).await;
+    let Err(ServiceError::McpError(error)) = error else {
+        panic!("refused: {error:?}");
+    };
+    assert_eq!(error.code, ErrorCode::INVALID_PARAMS);
+    assert!(
+        error.message.contains("_meta[\"acme/session\"]"),
+        "{}",
+        error.message
+    );
+    assert_eq!(shop.orders.load(Ordering::SeqCst), 0);
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unreachable_store_is_a_clear_error_and_the_tool_does_not_run() {
+    let shop = Shop::new();
+    let layer = Idempotent::new(shop.clone()).store(Down);
+    let client = connect(layer).await;
+    let error = client.call_tool(in_run("order", order(), "r1")).await;
+    let Err(ServiceError::McpError(error)) = error else {
+        panic!("an error: {error:?}");
+    };
+    assert_eq!(error.code, ErrorCode::INTERNAL_ERROR);
+    assert!(error.message.contains("unreachable"), "{}", error.message);
+    assert_eq!(shop.orders.load(Ordering::SeqCst), 0);
+    client.cancel().await.unwrap();
+}
+
+/// A store whose every operation fails, as one that cannot be reached.
+struct Down;
+
+fn unreachable<T>() -> Result<T, idem::Error> {
+    Err(idem::Error::store(
+        "down",
+        "unreachable: connection refused",
+    ))
+}
+
+#[async_trait::async_trait]
+impl Store for Down {
+    fn name(&self) -> &'static str {
+        "down"
+    }
+    async fn claim(&self, _: &Key, _: &ClaimRequest) -> Result<Claim, idem::Error> {
+        unreachable()
+    }
+    async fn complete(
+        &self,
+        _: &Key,
+        _: Token,
+        _: Outcome<'_>,
+        _: Duration,
+    ) -> Result<Fenced, idem::Error> {
+        unreachable()
+    }
+    async fn release(&self, _: &Key, _: Token) -> Result<Fenced, idem::Error> {
+        unreachable()
+    }
+    async fn renew(
+        &self,
+        _: &Key,
+        _: Token,
+        _: Duration,
+        _: Duration,
+    ) -> Result<Fenced, idem::Error> {
+        unreachable()
+    }
+    async fn get(&self, _: &Key) -> Result<Option<Record>, idem::Error> {
+        unreachable()
+    }
+    async fn delete(&self, _: &Key) -> Result<bool, idem::Error> {
+        unreachable()
+    }
+    async fn purge_expired(&self) -> Result<u64, idem::Error> {
+        unreachable()
+    }
+}
