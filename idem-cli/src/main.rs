@@ -12,6 +12,7 @@
 //! or eviction was not confirmed); 5 the sled directory is held by a running process.
 
 mod output;
+mod proxy;
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::process::ExitCode;
@@ -113,6 +114,11 @@ enum Command {
     },
     /// Remove expired records (Redis expires its own: nothing to do there).
     Purge,
+    /// Serve an MCP server (any language) with exactly-once `tools/call`: a retried call
+    /// with the same run id (`_meta["idem/run"]`) gets the first result. Stdio by
+    /// default; `--listen` for streamable HTTP. Records go to `--store` (default: a
+    /// SQLite file that every proxy of this user shares; see `docs/frameworks.md`).
+    Proxy(proxy::ProxyArgs),
 }
 
 #[derive(Args, Clone)]
@@ -215,6 +221,12 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
+    if let Command::Proxy(args) = &cli.command {
+        let store = open_for_proxy(&cli).await?;
+        return proxy::run(args.clone(), store)
+            .await
+            .map_err(|message| Failure(Exit::Failed, message));
+    }
     let store = open(&cli).await?;
     let out = Output::new(cli.json);
     match cli.command {
@@ -258,6 +270,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let removed = store.purge_expired().await?;
             emit(&out.done(&format!("removed {removed} expired records"), removed))
         }
+        Command::Proxy(_) => unreachable!("the proxy runs above"),
     }
 }
 
@@ -382,6 +395,72 @@ async fn evict_run(
         &format!("evicted {removed} records of run {run}{left}"),
         removed,
     ))
+}
+
+/// The store a proxy keeps its records in: the one `--store` names (created if need
+/// be, as a worker creates it), else a SQLite file every proxy of this user shares.
+async fn open_for_proxy(cli: &Cli) -> Result<Arc<dyn Store>, Failure> {
+    let spec = match &cli.store {
+        Some(spec) => spec.clone(),
+        None => {
+            let path = proxy_store_path();
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(|e| {
+                    Failure(
+                        Exit::Failed,
+                        format!("cannot create {}: {e}", dir.display()),
+                    )
+                })?;
+            }
+            format!("sqlite:{}", path.display())
+        }
+    };
+    let table = cli.table.as_deref();
+    let store: Arc<dyn Store> =
+        if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
+            let mut builder = PostgresStore::builder(&spec);
+            if let Some(table) = table {
+                builder = builder.table(table);
+            }
+            Arc::new(builder.connect().await.map_err(usage)?)
+        } else if spec.starts_with("redis://") || spec.starts_with("rediss://") {
+            let mut builder = RedisStore::builder(&spec);
+            if let Some(prefix) = &cli.prefix {
+                builder = builder.prefix(prefix);
+            }
+            Arc::new(builder.connect().await.map_err(usage)?)
+        } else if let Some(path) = spec.strip_prefix("sqlite:") {
+            let mut builder = SqliteStore::builder(path);
+            if let Some(table) = table {
+                builder = builder.table(table);
+            }
+            Arc::new(builder.open()?)
+        } else if let Some(path) = spec.strip_prefix("sled:") {
+            Arc::new(SledStore::open(path)?)
+        } else {
+            return Err(Failure(
+                Exit::Usage,
+                format!(
+                "unknown store `{spec}`: use sqlite:PATH, sled:PATH, postgres://... or redis://..."
+            ),
+            ));
+        };
+    Ok(store)
+}
+
+/// The proxy's default store: `$IDEM_DIR/proxy.sqlite` if `IDEM_DIR` is set, else
+/// `proxy.sqlite` in the user's state directory (`$XDG_STATE_HOME/idem`, else
+/// `~/.local/state/idem`).
+fn proxy_store_path() -> std::path::PathBuf {
+    use std::path::PathBuf;
+    if let Some(dir) = std::env::var_os("IDEM_DIR") {
+        return PathBuf::from(dir).join("proxy.sqlite");
+    }
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".local/state")))
+        .unwrap_or_else(|| PathBuf::from("."));
+    state.join("idem").join("proxy.sqlite")
 }
 
 /// The store the command names.

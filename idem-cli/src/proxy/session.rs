@@ -1,0 +1,353 @@
+//! One client's MCP session through the proxy: every JSON-RPC message passes between
+//! the client and the upstream server unchanged, except
+//!
+//! - `tools/call` of a tool the policy protects: made idempotent (forwarded under an id
+//!   of the proxy's own, answered by the proxy, replayed to retries);
+//! - `notifications/cancelled` of such a call: kept from the upstream, so the call runs
+//!   to its end and its result is recorded for the retry;
+//! - `tools/list` results: protected tools gain `idempotentHint: true`.
+//!
+//! The session learns each tool's `readOnlyHint` from the `tools/list` results it
+//! passes on, and asks the upstream itself when a call names a tool it has not seen.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use idem_core::mcp::{read_only_hint, Answer, Plan, Policy, Protected, INTERNAL_ERROR};
+use serde_json::{json, Map, Value};
+use tokio::sync::oneshot;
+
+use super::upstream::Upstream;
+
+/// Where messages for the client go: stdout, or an HTTP session's responses and stream.
+pub trait ClientSink: Send + Sync + 'static {
+    /// Sends one message to the client.
+    fn send(&self, message: Value);
+}
+
+/// The prefix of the JSON-RPC ids the proxy gives the requests it sends upstream.
+const OWN_ID: &str = "idem-proxy-";
+
+/// A message's id, as a map key (`1` and `"1"` stay apart).
+fn id_key(id: &Value) -> String {
+    id.to_string()
+}
+
+#[derive(Default)]
+struct State {
+    /// The proxy's own requests upstream, by id: who waits for the response.
+    own: HashMap<String, oneshot::Sender<Value>>,
+    next_own: u64,
+    /// Client requests forwarded upstream and not answered yet, by id: answered with
+    /// an error if the upstream exits first.
+    forwarded: HashMap<String, Value>,
+    /// Which of those are `tools/list`, whose result gains the hints.
+    listing: HashSet<String>,
+    /// Protected calls in flight, by the client's id; `true` once the client cancelled.
+    protected: HashMap<String, bool>,
+    /// Each tool's `readOnlyHint`, as the last list gave it.
+    hints: HashMap<String, Option<bool>>,
+    /// Whether `hints` holds a whole list (none asked since the last `list_changed`).
+    listed: bool,
+    /// The client's `initialize` request, to start a restarted upstream with.
+    initialize: Option<Value>,
+}
+
+/// One client's session (see the module docs).
+pub struct Session {
+    policy: Policy,
+    upstream: Upstream,
+    client: Arc<dyn ClientSink>,
+    state: Mutex<State>,
+}
+
+impl Session {
+    pub fn new(policy: Policy, upstream: Upstream, client: Arc<dyn ClientSink>) -> Arc<Self> {
+        Arc::new(Session {
+            policy,
+            upstream,
+            client,
+            state: Mutex::default(),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
+
+    /// The client's `initialize` request, if it sent one.
+    pub fn initialize_request(&self) -> Option<Value> {
+        self.state().initialize.clone()
+    }
+
+    /// Whether protected calls are still in flight.
+    pub fn calls_in_flight(&self) -> usize {
+        self.state().protected.len()
+    }
+
+    /// A message from the client.
+    pub fn from_client(self: &Arc<Self>, message: Value) {
+        let method = message.get("method").and_then(Value::as_str);
+        let id = message.get("id").filter(|_| method.is_some()).cloned();
+        match (method, id) {
+            (Some("tools/call"), Some(id)) => {
+                let session = Arc::clone(self);
+                tokio::spawn(async move { session.tools_call(id, message).await });
+            }
+            (Some("notifications/cancelled"), None) => {
+                let request = message.pointer("/params/requestId").map(id_key);
+                if let Some(request) = request {
+                    if let Some(cancelled) = self.state().protected.get_mut(&request) {
+                        // The call runs on and records its result: the upstream is not told.
+                        *cancelled = true;
+                        tracing::info!(request, "idem proxy: a protected call was cancelled by the client; it runs on and records its result for the retry");
+                        return;
+                    }
+                }
+                self.upstream.send(message);
+            }
+            (Some(method), Some(id)) => {
+                {
+                    let mut state = self.state();
+                    let key = id_key(&id);
+                    if method == "initialize" {
+                        state.initialize = Some(message.clone());
+                    }
+                    if method == "tools/list" {
+                        state.listing.insert(key.clone());
+                    }
+                    state.forwarded.insert(key, id);
+                }
+                self.upstream.send(message);
+            }
+            // Notifications, and responses to the upstream's own requests.
+            _ => self.upstream.send(message),
+        }
+    }
+
+    /// A message from the upstream.
+    pub fn from_upstream(&self, mut message: Value) {
+        let is_response = message.get("method").is_none()
+            && (message.get("result").is_some() || message.get("error").is_some());
+        if is_response {
+            let key = message.get("id").map(id_key).unwrap_or_default();
+            let mut state = self.state();
+            if let Some(waiter) = state.own.remove(&key) {
+                let _ = waiter.send(message);
+                return;
+            }
+            state.forwarded.remove(&key);
+            if state.listing.remove(&key) {
+                if let Some(tools) = message
+                    .pointer_mut("/result/tools")
+                    .and_then(Value::as_array_mut)
+                {
+                    learn_hints(&mut state, tools);
+                    self.policy.mark_listed(tools);
+                }
+            }
+        } else if message.get("method").and_then(Value::as_str)
+            == Some("notifications/tools/list_changed")
+        {
+            self.state().listed = false;
+        }
+        self.client.send(message);
+    }
+
+    /// The upstream exited: requests it did not answer get an error (protected calls
+    /// learn it from their own request, see [`Session::tools_call`]).
+    pub fn upstream_exited(&self) {
+        let forwarded: Vec<Value> = {
+            let mut state = self.state();
+            state.listing.clear();
+            state.own.clear();
+            state.listed = false;
+            state.forwarded.drain().map(|(_, id)| id).collect()
+        };
+        for id in forwarded {
+            self.client.send(error_response(
+                &id,
+                INTERNAL_ERROR,
+                "the MCP server exited before it answered this request; idem proxy restarts it",
+            ));
+        }
+    }
+
+    /// Sends `request` upstream under an id of the proxy's own; the response, or
+    /// `None` if the upstream exited first.
+    pub async fn ask_upstream(&self, request: Value) -> Option<Value> {
+        self.ask(request, false).await
+    }
+
+    /// [`Session::ask_upstream`] to a restarting upstream, ahead of what waits for it.
+    pub async fn ask_upstream_first(&self, request: Value) -> Option<Value> {
+        self.ask(request, true).await
+    }
+
+    async fn ask(&self, mut request: Value, first: bool) -> Option<Value> {
+        let (sender, receiver) = oneshot::channel();
+        let id = {
+            let mut state = self.state();
+            state.next_own += 1;
+            let id = format!("{OWN_ID}{}", state.next_own);
+            state.own.insert(id_key(&Value::String(id.clone())), sender);
+            id
+        };
+        request["id"] = Value::String(id);
+        if first {
+            self.upstream.send_first(request);
+        } else {
+            self.upstream.send(request);
+        }
+        receiver.await.ok()
+    }
+
+    /// A `tools/call` request from the client.
+    async fn tools_call(self: Arc<Self>, id: Value, request: Value) {
+        let params = request.get("params").and_then(Value::as_object);
+        let name = params
+            .and_then(|p| p.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let meta = params
+            .and_then(|p| p.get("_meta"))
+            .and_then(Value::as_object);
+        let read_only = self.read_only_hint(&name).await;
+        let protected = match self.policy.plan(&name, read_only, meta) {
+            Plan::Protect(protected) => protected,
+            Plan::Forward => {
+                {
+                    let mut state = self.state();
+                    state.forwarded.insert(id_key(&id), id.clone());
+                }
+                self.upstream.send(request);
+                return;
+            }
+        };
+        let key = id_key(&id);
+        self.state().protected.insert(key.clone(), false);
+        let response = self.protected_call(&id, request, protected).await;
+        let cancelled = self.state().protected.remove(&key).unwrap_or(false);
+        if !cancelled {
+            self.client.send(response);
+        }
+    }
+
+    /// Runs a protected call; the response for the client.
+    async fn protected_call(
+        self: &Arc<Self>,
+        id: &Value,
+        request: Value,
+        protected: Protected,
+    ) -> Value {
+        let arguments = request
+            .pointer("/params/arguments")
+            .and_then(Value::as_object)
+            .cloned();
+        let (lost, upstream_lost) = oneshot::channel::<()>();
+        let session = Arc::clone(self);
+        let call = protected.call(arguments.as_ref(), move || async move {
+            match session.ask_upstream(request).await {
+                Some(mut response) => match response.get_mut("result") {
+                    Some(result) => Ok(result.take()),
+                    None => Err(response),
+                },
+                None => {
+                    // Gone without an answer: the caller drops this call, which settles
+                    // its claim by the delivery policy (see below).
+                    let _ = lost.send(());
+                    std::future::pending().await
+                }
+            }
+        });
+        let answer = tokio::select! {
+            answer = call => answer,
+            Ok(()) = upstream_lost => {
+                // Dropping the call (its tool's `on_cancel` is `abort`) settles the claim
+                // by policy: released (at-least-once: a retry runs the tool again), or
+                // outcome unknown (at-most-once: a retry is told so, and nothing runs).
+                return error_response(
+                    id,
+                    INTERNAL_ERROR,
+                    "the MCP server exited during this call, which may or may not have taken \
+                     effect; idem proxy restarts it. An at-least-once tool runs again on retry; \
+                     an at-most-once tool answers the retry with `outcome unknown`",
+                );
+            }
+        };
+        match answer {
+            Answer::Result(result) => json!({"jsonrpc": "2.0", "id": id, "result": result}),
+            Answer::Unstored(mut response) => {
+                response["id"] = id.clone();
+                response
+            }
+            Answer::Refused(error) => {
+                let (code, message) = idem_core::mcp::rpc_error(&error, self.policy.run_key());
+                error_response(id, code, &message)
+            }
+        }
+    }
+
+    /// The tool's `readOnlyHint`, from the lists seen; if the tool is in none, the
+    /// upstream is asked for its whole list first.
+    async fn read_only_hint(&self, name: &str) -> Option<bool> {
+        {
+            let state = self.state();
+            if let Some(hint) = state.hints.get(name) {
+                return *hint;
+            }
+            if state.listed {
+                return None;
+            }
+        }
+        let mut cursor: Option<Value> = None;
+        let mut tools = Vec::new();
+        for _ in 0..100 {
+            let mut params = Map::new();
+            if let Some(cursor) = cursor.take() {
+                params.insert("cursor".to_owned(), cursor);
+            }
+            let request = json!({"jsonrpc": "2.0", "method": "tools/list", "params": params});
+            let Some(response) = self.ask_upstream(request).await else {
+                return None;
+            };
+            let Some(result) = response.get("result") else {
+                tracing::warn!(%response, "idem proxy: the MCP server did not list its tools; calls of unknown tools are protected");
+                break;
+            };
+            if let Some(page) = result.get("tools").and_then(Value::as_array) {
+                tools.extend(page.iter().cloned());
+            }
+            match result.get("nextCursor") {
+                Some(next) if !next.is_null() => cursor = Some(next.clone()),
+                _ => break,
+            }
+        }
+        let mut state = self.state();
+        learn_hints(&mut state, &mut tools);
+        state.listed = true;
+        state.hints.get(name).copied().flatten()
+    }
+}
+
+/// Records each listed tool's `readOnlyHint`.
+fn learn_hints(state: &mut State, tools: &mut [Value]) {
+    for tool in tools.iter() {
+        let Some(tool) = tool.as_object() else {
+            continue;
+        };
+        if let Some(name) = tool.get("name").and_then(Value::as_str) {
+            state.hints.insert(name.to_owned(), read_only_hint(tool));
+        }
+    }
+}
+
+/// A JSON-RPC error response.
+pub fn error_response(id: &Value, code: i64, message: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}})
+}
