@@ -1,6 +1,7 @@
 // MCP test client (official TS SDK). Prints ONE JSON line describing what it observed.
 // usage: node ts_client.mjs SCENARIO [ARGS...] (stdio -- CMD [ARGS...] | http URL)
 // scenarios: retry RUN | concurrent RUN N | norun | readonly RUN | failonce RUN TAG | list | meta RUN
+//            | survey (tools, resources, prompts, calls with progress: for the "everything" server)
 // Env: MCPFIX_NODE = dir holding node_modules (default ./node next to this file).
 import path from 'node:path';
 import { pathToFileURL, fileURLToPath } from 'node:url';
@@ -12,7 +13,7 @@ const { StdioClientTransport } = await load('client/stdio.js');
 const { StreamableHTTPClientTransport } = await load('client/streamableHttp.js');
 const { McpError, ErrorCode } = await load('types.js');
 
-const ARITY = { retry: 1, concurrent: 2, norun: 0, readonly: 1, failonce: 2, list: 0, meta: 1 };
+const ARITY = { retry: 1, concurrent: 2, norun: 0, readonly: 1, failonce: 2, list: 0, meta: 1, survey: 0 };
 const EMAIL = { to: 'ada@example.com', subject: 'hi', body: 'b' };
 const [name, ...rest] = process.argv.slice(2);
 const args = rest.slice(0, ARITY[name]);
@@ -55,6 +56,21 @@ async function scenario(c) {
       return { tools: (await c.listTools()).tools.map((t) => ({ name: t.name, annotations: t.annotations ?? null })) };
     case 'meta':
       return { echo: await call(c, 'echo_meta', {}, args[0]) };
+    case 'survey': {
+      // Everything a client sees of a server, to compare with and without the proxy.
+      const tools = (await c.listTools()).tools;
+      const resources = (await c.listResources()).resources;
+      const read = await c.readResource({ uri: resources[0].uri });
+      const templates = (await c.listResourceTemplates()).resourceTemplates;
+      const prompts = (await c.listPrompts()).prompts;
+      const prompt = await c.getPrompt({ name: prompts.find((p) => !(p.arguments ?? []).some((a) => a.required)).name });
+      const echo = await call(c, 'echo', { message: 'hello' });
+      const sum = await call(c, 'get-sum', { a: 2, b: 3 });
+      let progress = 0;
+      const long = await c.callTool({ name: 'trigger-long-running-operation', arguments: { duration: 1, steps: 3 } }, undefined,
+        { onprogress: () => { progress += 1; }, timeout: 10000 });
+      return { server: c.getServerVersion(), capabilities: c.getServerCapabilities(), tools, resources: resources.length, read, templates, prompts, prompt, echo, sum, long: pick(long), progress };
+    }
     default:
       throw new Error(`unknown scenario ${name}`);
   }

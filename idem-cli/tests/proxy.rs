@@ -1,0 +1,614 @@
+//! `idem proxy` in front of MCP servers written with the official Python SDK (FastMCP)
+//! and TypeScript SDK, and the published reference server ("everything"), driven by
+//! the official Python and TypeScript SDK clients over stdio and streamable HTTP.
+//!
+//! The figure that matters is the ledger: each `send_email` the upstream really runs
+//! appends a line to it. The SDKs come from the registries: `tests/mcp_sdk/setup.sh
+//! DIR` installs them, and these tests find them in `$IDEM_MCP_SDK` (`.ci/run` sets
+//! it). Without it they say so and skip.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const IDEM: &str = env!("CARGO_BIN_EXE_idem");
+
+/// The installed SDKs and the test servers and clients.
+struct Sdk {
+    python: PathBuf,
+    node_modules: PathBuf,
+    fixtures: PathBuf,
+}
+
+impl Sdk {
+    fn find(test: &str) -> Option<Sdk> {
+        let Some(dir) = std::env::var_os("IDEM_MCP_SDK") else {
+            eprintln!(
+                "SKIPPED {test}: set IDEM_MCP_SDK to a directory prepared by \
+                 `tests/mcp_sdk/setup.sh DIR` (the official MCP SDKs; .ci/run does this)"
+            );
+            return None;
+        };
+        let dir = PathBuf::from(dir);
+        Some(Sdk {
+            python: dir.join("venv/bin/python"),
+            node_modules: dir.join("node"),
+            fixtures: Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/mcp_sdk"),
+        })
+    }
+
+    fn fixture(&self, name: &str) -> String {
+        self.fixtures.join(name).display().to_string()
+    }
+
+    /// The command that starts an upstream server: `py` or `ts`.
+    fn server(&self, which: &str) -> Vec<String> {
+        match which {
+            "py" => vec![
+                self.python.display().to_string(),
+                self.fixture("py_server.py"),
+            ],
+            "ts" => vec!["node".into(), self.fixture("ts_server.mjs")],
+            "everything" => vec![
+                "node".into(),
+                self.node_modules
+                    .join("node_modules/@modelcontextprotocol/server-everything/dist/index.js")
+                    .display()
+                    .to_string(),
+                "stdio".into(),
+            ],
+            other => panic!("no server {other}"),
+        }
+    }
+
+    /// The command that runs a client: `py` or `ts`.
+    fn client(&self, which: &str) -> Vec<String> {
+        match which {
+            "py" => vec![
+                self.python.display().to_string(),
+                self.fixture("py_client.py"),
+            ],
+            "ts" => vec!["node".into(), self.fixture("ts_client.mjs")],
+            other => panic!("no client {other}"),
+        }
+    }
+}
+
+/// One test's files: the ledgers the servers write, and the proxies' store.
+struct Scratch {
+    dir: tempfile::TempDir,
+}
+
+impl Scratch {
+    fn new() -> Self {
+        Scratch {
+            dir: tempfile::tempdir().expect("a temp dir"),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// How many lines a ledger has.
+    fn lines(&self, name: &str) -> usize {
+        std::fs::read_to_string(self.path(name))
+            .map(|text| text.lines().filter(|l| !l.trim().is_empty()).count())
+            .unwrap_or(0)
+    }
+
+    /// The environment of the servers, clients and proxies of this test.
+    fn env(&self, sdk: &Sdk, command: &mut Command, latency_ms: u64) {
+        command
+            .env("LEDGER", self.path("ledger"))
+            .env("READS", self.path("reads"))
+            .env("FAILS", self.path("fails"))
+            .env("LATENCY_MS", latency_ms.to_string())
+            .env("MCPFIX_NODE", &sdk.node_modules)
+            .env("IDEM_DIR", self.dir.path())
+            .env_remove("IDEM_STORE");
+    }
+}
+
+/// Runs a client scenario against `transport` (`["stdio", "--", cmd..]` or
+/// `["http", url]`); its one line of JSON.
+fn scenario(
+    sdk: &Sdk,
+    scratch: &Scratch,
+    client: &str,
+    args: &[&str],
+    transport: &[String],
+) -> Value {
+    let mut argv = sdk.client(client);
+    argv.extend(args.iter().map(|a| a.to_string()));
+    argv.extend(transport.iter().cloned());
+    let mut command = Command::new(&argv[0]);
+    command.args(&argv[1..]);
+    scratch.env(sdk, &mut command, 1000);
+    let output = run_with_timeout(command, Duration::from_secs(120));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| {
+        panic!(
+            "{client} {args:?} over {transport:?}: no JSON ({e}); stdout: {stdout}; stderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+fn run_with_timeout(mut command: Command, limit: Duration) -> Output {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("the client starts");
+    let id = child.id();
+    let (done, waited) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(child.wait_with_output());
+    });
+    match waited.recv_timeout(limit) {
+        Ok(output) => output.expect("the client ran"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &id.to_string()]).status();
+            panic!("{command:?} did not finish in {limit:?}")
+        }
+    }
+}
+
+/// `idem proxy` in front of `server`, as a stdio command line for a client.
+fn via_stdio_proxy(extra: &[&str], server: Vec<String>) -> Vec<String> {
+    let mut argv = vec![
+        "stdio".to_owned(),
+        "--".to_owned(),
+        IDEM.to_owned(),
+        "proxy".to_owned(),
+    ];
+    argv.extend(extra.iter().map(|a| a.to_string()));
+    argv.push("--".into());
+    argv.extend(server);
+    argv
+}
+
+/// An HTTP proxy in front of `server` on 127.0.0.1; killed on drop.
+struct HttpProxy {
+    child: Child,
+    url: String,
+}
+
+impl HttpProxy {
+    fn start(sdk: &Sdk, scratch: &Scratch, server: Vec<String>) -> Self {
+        let mut command = Command::new(IDEM);
+        command
+            .args(["proxy", "--listen", "127.0.0.1:0", "--"])
+            .args(server)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        scratch.env(sdk, &mut command, 1000);
+        let mut child = command.spawn().expect("the proxy starts");
+        let stderr = child.stderr.take().expect("stderr");
+        let (found, url) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut found = Some(found);
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(at) = line.find("http://") {
+                    if let Some(found) = found.take() {
+                        let _ = found.send(line[at..].trim().to_owned());
+                    }
+                }
+                eprintln!("proxy: {line}");
+            }
+        });
+        let url = url
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the proxy says where it listens");
+        HttpProxy { child, url }
+    }
+
+    fn transport(&self) -> Vec<String> {
+        vec!["http".into(), self.url.clone()]
+    }
+}
+
+impl Drop for HttpProxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn replayed(result: &Value) -> bool {
+    result["_meta"]["idem/replayed"] == json!(true)
+}
+
+/// Every scenario of one client against one upstream through one transport.
+fn exercise(sdk: &Sdk, scratch: &Scratch, client: &str, transport: &[String], what: &str) {
+    let list = scenario(sdk, scratch, client, &["list"], transport);
+    let hint = |name: &str| {
+        let tools = list["tools"].as_array().expect("tools");
+        let tool = tools.iter().find(|t| t["name"] == name).expect(name);
+        tool["annotations"]["idempotentHint"] == json!(true)
+    };
+    assert!(hint("send_email") && hint("fail_once"), "{what}: {list}");
+    assert!(
+        !hint("count_emails"),
+        "{what}: a read-only tool is not marked: {list}"
+    );
+
+    // The client gives up on the first call before the slow server answers, and retries.
+    let retry = scenario(sdk, scratch, client, &["retry", "run-retry"], transport);
+    assert_eq!(retry["first"], json!("timeout"), "{what}: {retry}");
+    assert!(retry["second"]["message_id"].is_string(), "{what}: {retry}");
+    assert_eq!(
+        retry["second_meta"]["idem/replayed"],
+        json!(true),
+        "{what}: {retry}"
+    );
+    assert_eq!(
+        scratch.lines("ledger"),
+        1,
+        "{what}: one email for the call and its retry"
+    );
+
+    // Eight identical calls at once: one email, one message id.
+    let burst = scenario(
+        sdk,
+        scratch,
+        client,
+        &["concurrent", "run-burst", "8"],
+        transport,
+    );
+    let ids = burst["message_ids"].as_array().expect("ids");
+    assert_eq!(ids.len(), 8, "{what}: {burst}");
+    assert!(
+        ids.iter().all(|id| id.is_string() && *id == ids[0]),
+        "{what}: {burst}"
+    );
+    let replays = burst["results"].as_array().expect("results");
+    assert_eq!(
+        replays.iter().filter(|r| replayed(r)).count(),
+        7,
+        "{what}: {burst}"
+    );
+    assert_eq!(scratch.lines("ledger"), 2, "{what}: one more email");
+
+    // No run id: refused, saying where it goes; nothing sent.
+    let norun = scenario(sdk, scratch, client, &["norun"], transport);
+    let refused = norun["result"]["jsonrpc_error"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(refused.contains("_meta[\"idem/run\"]"), "{what}: {norun}");
+    assert_eq!(
+        scratch.lines("ledger"),
+        2,
+        "{what}: nothing sent without a run id"
+    );
+
+    // A read-only tool runs every time.
+    scenario(sdk, scratch, client, &["readonly", "run-read"], transport);
+    assert_eq!(
+        scratch.lines("reads"),
+        2,
+        "{what}: a read-only tool ran twice"
+    );
+
+    // A tool error is not stored: the retry runs, and succeeds.
+    let failing = scenario(
+        sdk,
+        scratch,
+        client,
+        &["failonce", "run-fail", "tag"],
+        transport,
+    );
+    let results = failing["results"].as_array().expect("results");
+    assert_eq!(results[0]["isError"], json!(true), "{what}: {failing}");
+    assert_ne!(results[1]["isError"], json!(true), "{what}: {failing}");
+    assert!(!replayed(&results[1]), "{what}: {failing}");
+    assert_eq!(
+        scratch.lines("fails"),
+        2,
+        "{what}: the retry of a tool error ran"
+    );
+}
+
+#[test]
+fn sdk_clients_through_the_proxy_get_one_side_effect_per_call() {
+    let Some(sdk) = Sdk::find("sdk_clients_through_the_proxy_get_one_side_effect_per_call") else {
+        return;
+    };
+    std::thread::scope(|threads| {
+        for server in ["py", "ts"] {
+            for client in ["py", "ts"] {
+                let sdk = &sdk;
+                threads.spawn(move || {
+                    let scratch = Scratch::new();
+                    let stdio = via_stdio_proxy(&[], sdk.server(server));
+                    exercise(
+                        sdk,
+                        &scratch,
+                        client,
+                        &stdio,
+                        &format!("{client} client, stdio, {server} server"),
+                    );
+                });
+                threads.spawn(move || {
+                    let scratch = Scratch::new();
+                    let proxy = HttpProxy::start(sdk, &scratch, sdk.server(server));
+                    let what = format!("{client} client, streamable HTTP, {server} server");
+                    exercise(sdk, &scratch, client, &proxy.transport(), &what);
+                });
+            }
+        }
+    });
+}
+
+#[test]
+fn two_proxies_on_one_machine_share_their_records() {
+    let Some(sdk) = Sdk::find("two_proxies_on_one_machine_share_their_records") else {
+        return;
+    };
+    // Two clients (a desktop app and an IDE), each starting its own proxy and server;
+    // both proxies use the default store, one SQLite file.
+    let scratch = Scratch::new();
+    let first = scenario(
+        &sdk,
+        &scratch,
+        "py",
+        &["concurrent", "run-shared", "1"],
+        &via_stdio_proxy(&[], sdk.server("py")),
+    );
+    let second = scenario(
+        &sdk,
+        &scratch,
+        "ts",
+        &["concurrent", "run-shared", "1"],
+        &via_stdio_proxy(&[], sdk.server("ts")),
+    );
+    assert_eq!(
+        first["message_ids"], second["message_ids"],
+        "{first} / {second}"
+    );
+    assert!(replayed(&second["results"][0]), "{second}");
+    assert_eq!(scratch.lines("ledger"), 1);
+    assert!(
+        scratch.path("proxy.sqlite").is_file(),
+        "the default store is a SQLite file"
+    );
+}
+
+#[test]
+fn a_published_server_looks_the_same_through_the_proxy() {
+    let Some(sdk) = Sdk::find("a_published_server_looks_the_same_through_the_proxy") else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let server = sdk.server("everything");
+    let mut direct_transport = vec!["stdio".to_owned(), "--".to_owned()];
+    direct_transport.extend(server.iter().cloned());
+    let mut direct = scenario(&sdk, &scratch, "ts", &["survey"], &direct_transport);
+    let mut proxied = scenario(
+        &sdk,
+        &scratch,
+        "ts",
+        &["survey"],
+        &via_stdio_proxy(&[], server),
+    );
+
+    // Progress notifications pass through (their count depends on timing).
+    for survey in [&direct, &proxied] {
+        assert!(
+            survey["progress"].as_u64().unwrap_or(0) >= 2,
+            "progress: {survey}"
+        );
+    }
+    // The tools the proxy protects (those not read-only) say so; the rest is unchanged.
+    let tools = proxied["tools"].as_array_mut().expect("tools");
+    let mut marked = Vec::new();
+    for (tool, before) in tools
+        .iter_mut()
+        .zip(direct["tools"].as_array().expect("tools"))
+    {
+        let read_only = tool["annotations"]["readOnlyHint"] == json!(true);
+        if !read_only {
+            assert_eq!(tool["annotations"]["idempotentHint"], json!(true), "{tool}");
+            tool["annotations"]["idempotentHint"] = before["annotations"]["idempotentHint"].clone();
+            marked.push(tool["name"].clone());
+        }
+    }
+    assert!(!marked.is_empty(), "the server has side-effecting tools");
+    for survey in [&mut direct, &mut proxied] {
+        survey["progress"] = Value::Null;
+    }
+    assert_eq!(direct, proxied, "the client sees the same server");
+}
+
+/// A client speaking JSON-RPC lines to an `idem proxy` on stdio, by hand: for the
+/// tests that kill things.
+struct Driver {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<Value>,
+}
+
+impl Driver {
+    fn start(sdk: &Sdk, scratch: &Scratch, extra: &[&str], latency_ms: u64) -> Driver {
+        let mut command = Command::new(IDEM);
+        command
+            .arg("proxy")
+            .args(extra)
+            .arg("--")
+            .args(sdk.server("py"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        scratch.env(sdk, &mut command, latency_ms);
+        let mut child = command.spawn().expect("the proxy starts");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (sender, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Ok(message) = serde_json::from_str(&line) {
+                    if sender.send(message).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let mut driver = Driver {
+            child,
+            stdin,
+            lines,
+        };
+        let init = driver.request(
+            0,
+            "initialize",
+            json!({"protocolVersion": "2025-11-25", "capabilities": {},
+                   "clientInfo": {"name": "driver", "version": "1"}}),
+        );
+        assert!(init.get("result").is_some(), "{init}");
+        driver.send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+        driver
+    }
+
+    fn send(&mut self, message: Value) {
+        writeln!(self.stdin, "{message}").expect("the proxy reads");
+        self.stdin.flush().expect("the proxy reads");
+    }
+
+    fn send_email(&mut self, id: u64, run: &str) {
+        self.send(
+            json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+                "name": "send_email",
+                "arguments": {"to": "ada@example.com", "subject": "hi", "body": "b"},
+                "_meta": {"idem/run": run}
+            }}),
+        );
+    }
+
+    /// The response to request `id` (other messages skipped).
+    fn response(&mut self, id: u64) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let message = self.lines.recv_timeout(left).expect("a response in time");
+            if message["id"] == json!(id) {
+                return message;
+            }
+        }
+    }
+
+    fn request(&mut self, id: u64, method: &str, params: Value) -> Value {
+        self.send(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
+        self.response(id)
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until the ledger has `n` lines: the upstream ran the side effect.
+fn wait_for_lines(scratch: &Scratch, name: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while scratch.lines(name) < n {
+        assert!(Instant::now() < deadline, "{name} never reached {n} lines");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_proxy_killed_mid_call_loses_nothing_it_promised() {
+    let Some(sdk) = Sdk::find("a_proxy_killed_mid_call_loses_nothing_it_promised") else {
+        return;
+    };
+    for at_most_once in [false, true] {
+        let scratch = Scratch::new();
+        let mut extra = vec!["--lease", "1s"];
+        if at_most_once {
+            extra.push("--at-most-once");
+        }
+        let mut proxy = Driver::start(&sdk, &scratch, &extra, 2000);
+        proxy.send_email(1, "run-kill");
+        // The server sent the email; the proxy dies before it answers (SIGKILL).
+        wait_for_lines(&scratch, "ledger", 1);
+        proxy.kill();
+
+        // The client starts the proxy again and retries the same call.
+        let mut proxy = Driver::start(&sdk, &scratch, &extra, 0);
+        proxy.send_email(2, "run-kill");
+        let retry = proxy.response(2);
+        if at_most_once {
+            let message = retry["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("outcome unknown"), "{retry}");
+            assert_eq!(scratch.lines("ledger"), 1, "at most once: never sent again");
+        } else {
+            assert!(retry.get("result").is_some(), "{retry}");
+            assert_eq!(
+                scratch.lines("ledger"),
+                2,
+                "at least once: at most one more, inside the crash window"
+            );
+        }
+        // Settled: a third call gets the same answer without sending.
+        proxy.send_email(3, "run-kill");
+        let third = proxy.response(3);
+        assert_eq!(third.get("result").is_some(), !at_most_once, "{third}");
+        assert_eq!(scratch.lines("ledger"), if at_most_once { 1 } else { 2 });
+        proxy.kill();
+    }
+}
+
+#[test]
+fn a_server_that_dies_mid_call_is_restarted_and_the_call_settled_by_policy() {
+    let Some(sdk) =
+        Sdk::find("a_server_that_dies_mid_call_is_restarted_and_the_call_settled_by_policy")
+    else {
+        return;
+    };
+    for at_most_once in [false, true] {
+        let scratch = Scratch::new();
+        let extra: &[&str] = if at_most_once {
+            &["--at-most-once"]
+        } else {
+            &[]
+        };
+        let mut proxy = Driver::start(&sdk, &scratch, extra, 1500);
+        proxy.send_email(1, "run-crash");
+        wait_for_lines(&scratch, "ledger", 1);
+        // The server dies with the email sent and its answer not given.
+        let ledger = std::fs::read_to_string(scratch.path("ledger")).unwrap();
+        let pid = serde_json::from_str::<Value>(ledger.lines().next().unwrap()).unwrap()["pid"]
+            .as_u64()
+            .expect("the server's pid");
+        let killed = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        assert!(killed.is_ok_and(|s| s.success()));
+        let answer = proxy.response(1);
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("exited during this call"), "{answer}");
+
+        // The proxy restarted the server, in the same client session.
+        proxy.send_email(2, "run-crash");
+        let retry = proxy.response(2);
+        if at_most_once {
+            let message = retry["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("outcome unknown"), "{retry}");
+            assert_eq!(scratch.lines("ledger"), 1);
+        } else {
+            assert!(retry.get("result").is_some(), "{retry}");
+            assert_eq!(scratch.lines("ledger"), 2, "at least once: one more");
+        }
+        // And serves other calls as before.
+        proxy.send_email(3, "run-after");
+        let after = proxy.response(3);
+        assert!(after.get("result").is_some(), "{after}");
+        proxy.kill();
+    }
+}
