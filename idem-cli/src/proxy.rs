@@ -180,7 +180,7 @@ async fn stdio(policy: Policy, command: Vec<String>) -> Result<(), String> {
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
     loop {
         match stdin.next_line().await {
-            Ok(Some(line)) => from_client_line(&session, line),
+            Ok(Some(line)) => on_client_line(&session, line),
             Ok(None) => break,
             Err(error) => {
                 tracing::warn!(%error, "idem proxy: cannot read stdin; stopping");
@@ -199,13 +199,13 @@ async fn stdio(policy: Policy, command: Vec<String>) -> Result<(), String> {
 
 /// One line from the client: a message (or a batch of them), or, if it is not JSON,
 /// passed on for the server to answer.
-fn from_client_line(session: &Arc<Session>, line: String) {
+fn on_client_line(session: &Arc<Session>, line: String) {
     if line.trim().is_empty() {
         return;
     }
     match serde_json::from_str::<Value>(&line) {
-        Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| session.from_client(m)),
-        Ok(message) => session.from_client(message),
+        Ok(Value::Array(batch)) => batch.into_iter().for_each(|m| session.on_client_message(m)),
+        Ok(message) => session.on_client_message(message),
         Err(_) => session.upstream().send_line(line),
     }
 }

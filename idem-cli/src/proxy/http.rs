@@ -164,14 +164,17 @@ fn bad_request(message: &str) -> Response {
     (StatusCode::BAD_REQUEST, Json(body)).into_response()
 }
 
-fn session_of(proxy: &Proxy, headers: &HeaderMap) -> Result<Option<Arc<HttpSession>>, Response> {
+fn session_of(
+    proxy: &Proxy,
+    headers: &HeaderMap,
+) -> Result<Option<Arc<HttpSession>>, (StatusCode, &'static str)> {
     let Some(id) = headers.get(SESSION_HEADER) else {
         return Ok(None);
     };
     let id = id.to_str().unwrap_or_default();
     match proxy.lock().get(id) {
         Some(session) => Ok(Some(Arc::clone(session))),
-        None => Err((StatusCode::NOT_FOUND, "no such MCP session").into_response()),
+        None => Err((StatusCode::NOT_FOUND, "no such MCP session")),
     }
 }
 
@@ -186,7 +189,7 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
     let method = message.get("method").and_then(Value::as_str);
     let id = message.get("id").filter(|_| method.is_some()).cloned();
     let (session, new_id) = match session_of(&proxy, &headers) {
-        Err(response) => return response,
+        Err(response) => return response.into_response(),
         Ok(Some(session)) => (session, None),
         Ok(None) if method == Some("initialize") => match start_session(&proxy).await {
             Ok((id, session)) => (session, Some(id)),
@@ -202,7 +205,7 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
     };
     let Some(id) = id else {
         // A notification, or the client's response to the server's request.
-        session.session.from_client(message);
+        session.session.on_client_message(message);
         return StatusCode::ACCEPTED.into_response();
     };
     let key = id.to_string();
@@ -217,7 +220,7 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
         sink: &session.sink,
         key,
     };
-    session.session.from_client(message);
+    session.session.on_client_message(message);
     let Ok(response) = answer.await else {
         return (StatusCode::BAD_GATEWAY, "the session ended").into_response();
     };
@@ -264,7 +267,7 @@ async fn get_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap) -> Respons
     let session = match session_of(&proxy, &headers) {
         Ok(Some(session)) => session,
         Ok(None) => return bad_request("no Mcp-Session-Id header"),
-        Err(response) => return response,
+        Err(response) => return response.into_response(),
     };
     let (sender, receiver) = mpsc::unbounded_channel::<Value>();
     {

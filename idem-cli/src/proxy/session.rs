@@ -90,7 +90,7 @@ impl Session {
     }
 
     /// A message from the client.
-    pub fn from_client(self: &Arc<Self>, message: Value) {
+    pub fn on_client_message(self: &Arc<Self>, message: Value) {
         let method = message.get("method").and_then(Value::as_str);
         let id = message.get("id").filter(|_| method.is_some()).cloned();
         match (method, id) {
@@ -130,7 +130,7 @@ impl Session {
     }
 
     /// A message from the upstream.
-    pub fn from_upstream(&self, mut message: Value) {
+    pub fn on_upstream_message(&self, mut message: Value) {
         let is_response = message.get("method").is_none()
             && (message.get("result").is_some() || message.get("error").is_some());
         if is_response {
@@ -313,9 +313,7 @@ impl Session {
                 params.insert("cursor".to_owned(), cursor);
             }
             let request = json!({"jsonrpc": "2.0", "method": "tools/list", "params": params});
-            let Some(response) = self.ask_upstream(request).await else {
-                return None;
-            };
+            let response = self.ask_upstream(request).await?;
             let Some(result) = response.get("result") else {
                 tracing::warn!(%response, "idem proxy: the MCP server did not list its tools; calls of unknown tools are protected");
                 break;

@@ -192,7 +192,7 @@ async fn run_child(
             let mut stdout = BufReader::new(stdout).lines();
             while let Ok(Some(line)) = stdout.next_line().await {
                 match serde_json::from_str::<Value>(&line) {
-                    Ok(message) => session.from_upstream(message),
+                    Ok(message) => session.on_upstream_message(message),
                     Err(_) => tracing::debug!(
                         line,
                         "idem proxy: the MCP server wrote a line that is not JSON-RPC; dropped"
