@@ -53,10 +53,18 @@ fn main() {
         "| {:<18} | {:>13} | {:>12} | {:>12} | {:>10} | {:>11} |",
         "call", "direct median", "proxy median", "overhead", "direct p99", "proxy p99"
     );
-    println!("|{:-<20}|{:->15}|{:->14}|{:->14}|{:->12}|{:->13}|", "", "", "", "", "", "");
+    println!(
+        "|{:-<20}|{:->15}|{:->14}|{:->14}|{:->12}|{:->13}|",
+        "", "", "", "", "", ""
+    );
     let rows: [(&str, fn(u64, usize) -> Value); 3] = [
-        ("relay (ping)", |id, _| json!({"jsonrpc": "2.0", "id": id, "method": "ping"})),
-        ("tools/call, miss", |id, i| send_email(id, &format!("bench-miss-{i}"))),
+        (
+            "relay (ping)",
+            |id, _| json!({"jsonrpc": "2.0", "id": id, "method": "ping"}),
+        ),
+        ("tools/call, miss", |id, i| {
+            send_email(id, &format!("bench-miss-{i}"))
+        }),
         ("tools/call, hit", |id, _| send_email(id, "bench-hit")),
     ];
     for (name, request) in rows {
@@ -136,7 +144,10 @@ impl Peer {
         let mut line = String::new();
         loop {
             line.clear();
-            let read = self.stdout.read_line(&mut line).expect("the server answers");
+            let read = self
+                .stdout
+                .read_line(&mut line)
+                .expect("the server answers");
             assert!(read > 0, "the server exited");
             let message: Value = serde_json::from_str(&line).expect("JSON");
             if message.get("id") == request.get("id") {
@@ -189,7 +200,10 @@ fn upstream() {
             _ => json!({}),
         };
         let response = json!({"jsonrpc": "2.0", "id": id, "result": result});
-        if writeln!(stdout, "{response}").and_then(|()| stdout.flush()).is_err() {
+        if writeln!(stdout, "{response}")
+            .and_then(|()| stdout.flush())
+            .is_err()
+        {
             return;
         }
     }

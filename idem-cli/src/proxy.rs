@@ -4,6 +4,7 @@
 //! ```text
 //! idem proxy -- npx -y some-mcp-server                     # stdio in front of a stdio server
 //! idem proxy --listen 127.0.0.1:8931 -- python server.py   # streamable HTTP in front of it
+//! idem proxy --listen 127.0.0.1:8931 --upstream http://127.0.0.1:9000/mcp   # HTTP in front of HTTP
 //! ```
 //!
 //! Every message passes through unchanged in both directions (initialize, lists,
@@ -14,6 +15,7 @@
 //! `docs/frameworks.md`.
 
 mod http;
+mod remote;
 mod session;
 mod upstream;
 
@@ -38,6 +40,10 @@ pub struct ProxyArgs {
     /// process per client session, instead of stdio.
     #[arg(long)]
     pub listen: Option<SocketAddr>,
+    /// The MCP server is at this streamable HTTP URL (`http://HOST:PORT/mcp`), instead of
+    /// a command the proxy starts.
+    #[arg(long, conflicts_with = "command")]
+    pub upstream: Option<String>,
     /// How long a call's result is kept for retries.
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     pub ttl: Duration,
@@ -65,7 +71,11 @@ pub struct ProxyArgs {
     #[arg(long)]
     pub store_tool_errors: bool,
     /// The MCP server to start, and its arguments.
-    #[arg(last = true, required = true, value_name = "COMMAND")]
+    #[arg(
+        last = true,
+        required_unless_present = "upstream",
+        value_name = "COMMAND"
+    )]
     pub command: Vec<String>,
 }
 
@@ -117,10 +127,21 @@ pub async fn run(args: ProxyArgs, store: Arc<dyn Store>) -> Result<(), String> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     let policy = args.policy(store);
+    let server = match args.upstream {
+        Some(url) => Server::Url(url),
+        None => Server::Command(args.command),
+    };
     match args.listen {
-        Some(addr) => http::serve(addr, policy, args.command).await,
-        None => stdio(policy, args.command).await,
+        Some(addr) => http::serve(addr, policy, server).await,
+        None => stdio(policy, server).await,
     }
+}
+
+/// The upstream MCP server: a command the proxy starts (and restarts), or a URL.
+#[derive(Clone, Debug)]
+pub enum Server {
+    Command(Vec<String>),
+    Url(String),
 }
 
 /// Messages for a stdio client: one line each on stdout, in order.
@@ -153,9 +174,16 @@ impl Stdout {
 /// Starts the upstream for `session`; an error if it cannot be started.
 async fn start_upstream(
     session: &Arc<Session>,
-    command: Vec<String>,
+    server: Server,
 ) -> Result<(watch::Sender<bool>, tokio::task::JoinHandle<()>), String> {
     let (closing, closing_seen) = watch::channel(false);
+    let command = match server {
+        Server::Url(url) => {
+            let connection = remote::connect(Arc::clone(session), url, closing_seen);
+            return Ok((closing, tokio::spawn(connection)));
+        }
+        Server::Command(command) => command,
+    };
     let (started, start) = oneshot::channel();
     let supervisor = tokio::spawn(upstream::supervise(
         Arc::clone(session),
@@ -173,10 +201,10 @@ async fn start_upstream(
 /// Stdio in front of a stdio server: the client's stdin to the server, the server's
 /// stdout to the client's, until the client closes stdin; then the calls in flight
 /// finish and record their results before the server is stopped.
-async fn stdio(policy: Policy, command: Vec<String>) -> Result<(), String> {
+async fn stdio(policy: Policy, server: Server) -> Result<(), String> {
     let (stdout, writer) = Stdout::start();
     let session = Session::new(policy, Upstream::default(), stdout);
-    let (closing, supervisor) = start_upstream(&session, command).await?;
+    let (closing, supervisor) = start_upstream(&session, server).await?;
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
     loop {
         match stdin.next_line().await {

@@ -161,7 +161,8 @@ fn run_with_timeout(mut command: Command, limit: Duration) -> Output {
     }
 }
 
-/// `idem proxy` in front of `server`, as a stdio command line for a client.
+/// `idem proxy` in front of `server` (a command, or `["--upstream", url]`), as a stdio
+/// command line for a client.
 fn via_stdio_proxy(extra: &[&str], server: Vec<String>) -> Vec<String> {
     let mut argv = vec![
         "stdio".to_owned(),
@@ -170,9 +171,57 @@ fn via_stdio_proxy(extra: &[&str], server: Vec<String>) -> Vec<String> {
         "proxy".to_owned(),
     ];
     argv.extend(extra.iter().map(|a| a.to_string()));
-    argv.push("--".into());
+    if server.first().is_none_or(|a| a != "--upstream") {
+        argv.push("--".into());
+    }
     argv.extend(server);
     argv
+}
+
+/// The Python server serving streamable HTTP on 127.0.0.1 (answers as server-sent
+/// events); killed on drop.
+struct HttpServer {
+    child: Child,
+    url: String,
+}
+
+impl HttpServer {
+    fn start(sdk: &Sdk, scratch: &Scratch) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut command = Command::new(&sdk.python);
+        command
+            .arg(sdk.fixture("py_server.py"))
+            .args(["--http", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        scratch.env(sdk, &mut command, 1000);
+        let child = command.spawn().expect("the server starts");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "the HTTP server never listened");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        HttpServer {
+            child,
+            url: format!("http://127.0.0.1:{port}/mcp"),
+        }
+    }
+
+    /// The proxy's arguments that name it.
+    fn upstream(&self) -> Vec<String> {
+        vec!["--upstream".into(), self.url.clone()]
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// An HTTP proxy in front of `server` on 127.0.0.1; killed on drop.
@@ -182,11 +231,17 @@ struct HttpProxy {
 }
 
 impl HttpProxy {
+    /// In front of a server it starts (`server` is a command), or, with `["--upstream",
+    /// url]`, in front of an HTTP server.
     fn start(sdk: &Sdk, scratch: &Scratch, server: Vec<String>) -> Self {
         let mut command = Command::new(IDEM);
+        command.args(["proxy", "--listen", "127.0.0.1:0"]);
+        if server.first().is_some_and(|a| a == "--upstream") {
+            command.args(server);
+        } else {
+            command.arg("--").args(server);
+        }
         command
-            .args(["proxy", "--listen", "127.0.0.1:0", "--"])
-            .args(server)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -344,6 +399,24 @@ fn sdk_clients_through_the_proxy_get_one_side_effect_per_call() {
                     exercise(sdk, &scratch, client, &proxy.transport(), &what);
                 });
             }
+        }
+        // In front of a server that speaks streamable HTTP itself.
+        for client in ["py", "ts"] {
+            let sdk = &sdk;
+            threads.spawn(move || {
+                let scratch = Scratch::new();
+                let server = HttpServer::start(sdk, &scratch);
+                let proxy = HttpProxy::start(sdk, &scratch, server.upstream());
+                let what = format!("{client} client, HTTP in front of an HTTP server");
+                exercise(sdk, &scratch, client, &proxy.transport(), &what);
+            });
+            threads.spawn(move || {
+                let scratch = Scratch::new();
+                let server = HttpServer::start(sdk, &scratch);
+                let stdio = via_stdio_proxy(&[], server.upstream());
+                let what = format!("{client} client, stdio in front of an HTTP server");
+                exercise(sdk, &scratch, client, &stdio, &what);
+            });
         }
     });
 }

@@ -1,9 +1,10 @@
-//! MCP's streamable HTTP in front of a stdio server: `POST /mcp` carries the client's
+//! MCP's streamable HTTP in front of the upstream server: `POST /mcp` carries the client's
 //! messages (a request is answered in the response, as `application/json`), `GET /mcp`
 //! opens the stream of the server's own messages (notifications, and requests such as
 //! sampling or elicitation), `DELETE /mcp` ends the session. Each session
-//! (`Mcp-Session-Id`, given with the answer to `initialize`) has its own upstream
-//! process, as a stdio server expects one client.
+//! (`Mcp-Session-Id`, given with the answer to `initialize`) has its own upstream: a
+//! process of its own, as a stdio server expects one client, or a session of its own
+//! with an HTTP server.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -22,15 +23,15 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::session::{ClientSink, Session};
 use super::upstream::Upstream;
-use super::{finish_calls, start_upstream};
+use super::{finish_calls, start_upstream, Server};
 
 const SESSION_HEADER: &str = "mcp-session-id";
 
 /// Serves `http://addr/mcp` until Ctrl-C (or SIGTERM).
-pub async fn serve(addr: SocketAddr, policy: Policy, command: Vec<String>) -> Result<(), String> {
+pub async fn serve(addr: SocketAddr, policy: Policy, server: Server) -> Result<(), String> {
     let proxy = Arc::new(Proxy {
         policy,
-        command,
+        server,
         sessions: Mutex::default(),
     });
     let app = Router::new()
@@ -40,7 +41,6 @@ pub async fn serve(addr: SocketAddr, policy: Policy, command: Vec<String>) -> Re
         .await
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
-    tracing::info!("idem proxy: serving MCP at http://{local}/mcp");
     eprintln!("idem proxy: serving MCP at http://{local}/mcp");
     axum::serve(listener, app)
         .with_graceful_shutdown(stopped())
@@ -73,7 +73,7 @@ async fn stopped() {
 
 struct Proxy {
     policy: Policy,
-    command: Vec<String>,
+    server: Server,
     sessions: Mutex<HashMap<String, Arc<HttpSession>>>,
 }
 
@@ -240,7 +240,7 @@ async fn start_session(proxy: &Arc<Proxy>) -> Result<(String, Arc<HttpSession>),
         Upstream::default(),
         Arc::clone(&sink) as Arc<dyn ClientSink>,
     );
-    let (closing, _supervisor) = start_upstream(&session, proxy.command.clone()).await?;
+    let (closing, _supervisor) = start_upstream(&session, proxy.server.clone()).await?;
     let id = session_id();
     let http = Arc::new(HttpSession {
         session,

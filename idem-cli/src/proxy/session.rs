@@ -177,6 +177,25 @@ impl Session {
         }
     }
 
+    /// A request the upstream will not answer (its connection failed): who waits for
+    /// it learns so (a protected call is then settled by its delivery policy), and a
+    /// client's request gets an error.
+    pub fn request_failed(&self, id: &Value, why: &str) {
+        let key = id_key(id);
+        let forwarded = {
+            let mut state = self.state();
+            // Dropped, the waiter's sender tells it: no answer.
+            if state.own.remove(&key).is_some() {
+                return;
+            }
+            state.listing.remove(&key);
+            state.forwarded.remove(&key)
+        };
+        if let Some(id) = forwarded {
+            self.client.send(error_response(&id, INTERNAL_ERROR, why));
+        }
+    }
+
     /// Sends `request` upstream under an id of the proxy's own; the response, or
     /// `None` if the upstream exited first.
     pub async fn ask_upstream(&self, request: Value) -> Option<Value> {

@@ -71,6 +71,13 @@ impl Upstream {
         }
     }
 
+    /// Opens the link to a server that needs no handshake of the proxy's (one over
+    /// HTTP): what waited is sent now.
+    pub fn connected(&self, sender: mpsc::UnboundedSender<String>) {
+        self.starting(sender);
+        self.open();
+    }
+
     fn starting(&self, sender: mpsc::UnboundedSender<String>) {
         let mut link = self.link();
         let backlog = match &mut *link {
