@@ -57,7 +57,7 @@ fn main() {
         "|{:-<20}|{:->15}|{:->14}|{:->14}|{:->12}|{:->13}|",
         "", "", "", "", "", ""
     );
-    let rows: [(&str, fn(u64, usize) -> Value); 3] = [
+    let rows: [(&str, Request); 3] = [
         (
             "relay (ping)",
             |id, _| json!({"jsonrpc": "2.0", "id": id, "method": "ping"}),
@@ -85,6 +85,9 @@ fn main() {
 }
 
 const WARMUP: usize = 200;
+
+/// The `i`th request of a row, with JSON-RPC id `id`.
+type Request = fn(u64, usize) -> Value;
 
 fn send_email(id: u64, run: &str) -> Value {
     json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
@@ -158,7 +161,7 @@ impl Peer {
     }
 
     /// Round-trip times of `calls` requests, sorted, in µs.
-    fn time(&mut self, calls: usize, request: fn(u64, usize) -> Value) -> Vec<f64> {
+    fn time(&mut self, calls: usize, request: Request) -> Vec<f64> {
         let mut samples = Vec::with_capacity(calls);
         for i in 0..WARMUP + calls {
             self.next_id += 1;
