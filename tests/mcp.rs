@@ -9,32 +9,18 @@ use std::sync::Arc;
 
 use idem::mcp::{REPLAYED_META_KEY, RUN_META_KEY};
 use idem::{idempotent, MemoryStore, Run, Store};
-use mcp::{Mailer, Sent};
+use mcp::{connect, Mailer, Sent};
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
     CallToolRequestParams, CallToolResult, ErrorCode, ErrorData, RequestMetaObject,
     ServerCapabilities, ServerConfig,
 };
-use rmcp::service::{RequestContext, RunningService, ServiceError};
-use rmcp::{
-    tool, tool_handler, tool_router, RoleClient, RoleServer, ServerHandler, Service, ServiceExt,
-};
+use rmcp::service::{RequestContext, ServiceError};
+use rmcp::{tool, tool_handler, tool_router, RoleServer, ServerHandler};
 use serde_json::json;
 
-type Client = RunningService<RoleClient, ()>;
-
 /// Serves `server` on one end of an in-memory pipe and connects a client to the other.
-async fn connect<S: Service<RoleServer>>(server: S) -> Client {
-    let (server_end, client_end) = tokio::io::duplex(64 * 1024);
-    tokio::spawn(async move {
-        if let Ok(running) = server.serve(server_end).await {
-            let _ = running.waiting().await;
-        }
-    });
-    ().serve(client_end).await.expect("client connects")
-}
-
 fn call(tool: &str, arguments: serde_json::Value, run: Option<&str>) -> CallToolRequestParams {
     let arguments = arguments.as_object().cloned().unwrap_or_default();
     let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments);

@@ -2,6 +2,9 @@
 //! tools it protects, what it stores, and its options. An rmcp client talks to it over
 //! an in-memory transport, as an agent would over stdio.
 
+#[path = "../examples/support/mcp.rs"]
+mod mcp;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,29 +12,16 @@ use std::time::Duration;
 use idem::mcp::{Idempotent, WithoutRun, REPLAYED_META_KEY, RUN_META_KEY};
 use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Record, Token};
 use idem::{Key, MemoryStore, Store, Tool};
+use mcp::connect;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
     CallToolRequestParams, CallToolResult, ContentBlock as Content, ErrorCode, ErrorData,
     RequestMetaObject, ServerCapabilities, ServerConfig,
 };
-use rmcp::service::{RunningService, ServiceError};
-use rmcp::{
-    tool, tool_handler, tool_router, RoleClient, RoleServer, ServerHandler, Service, ServiceExt,
-};
+use rmcp::service::ServiceError;
+use rmcp::{tool, tool_handler, tool_router, ServerHandler};
 use serde_json::{json, Value};
-
-type Client = RunningService<RoleClient, ()>;
-
-async fn connect<S: Service<RoleServer>>(server: S) -> Client {
-    let (server_end, client_end) = tokio::io::duplex(64 * 1024);
-    tokio::spawn(async move {
-        if let Ok(running) = server.serve(server_end).await {
-            let _ = running.waiting().await;
-        }
-    });
-    ().serve(client_end).await.expect("client connects")
-}
 
 #[derive(Debug, serde::Serialize, serde::Deserialize, rmcp::schemars::JsonSchema)]
 #[schemars(crate = "rmcp::schemars")]

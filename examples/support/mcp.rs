@@ -20,7 +20,10 @@ use rmcp::handler::server::tool::schema_for_output;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{CallToolResult, ErrorData, Implementation, ServerCapabilities, ServerConfig};
 use rmcp::schemars::JsonSchema;
-use rmcp::{tool, tool_handler, tool_router, ServerHandler};
+use rmcp::service::RunningService;
+use rmcp::{
+    tool, tool_handler, tool_router, RoleClient, RoleServer, ServerHandler, Service, ServiceExt,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -146,4 +149,16 @@ impl ServerHandler for Mailer {
                  id) when a request is lost.",
             )
     }
+}
+
+/// Serves `server` on one end of an in-memory pipe and connects an rmcp client to the
+/// other, as an agent would connect over stdio.
+pub async fn connect<S: Service<RoleServer>>(server: S) -> RunningService<RoleClient, ()> {
+    let (server_end, client_end) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(async move {
+        if let Ok(running) = server.serve(server_end).await {
+            let _ = running.waiting().await;
+        }
+    });
+    ().serve(client_end).await.expect("client connects")
 }
