@@ -501,6 +501,44 @@ fn a_published_server_looks_the_same_through_the_proxy() {
     assert_eq!(direct, proxied, "the client sees the same server");
 }
 
+#[test]
+fn the_servers_own_requests_reach_the_client_during_a_protected_call() {
+    let Some(sdk) = Sdk::find("the_servers_own_requests_reach_the_client_during_a_protected_call")
+    else {
+        return;
+    };
+    // The reference server's tools that ask the client for a sampling, an elicitation
+    // and its roots while they run; over stdio, and over HTTP (its GET stream).
+    let scratch = Scratch::new();
+    let http = HttpProxy::start(&sdk, &scratch, sdk.server("everything"));
+    let transports = [
+        via_stdio_proxy(&[], sdk.server("everything")),
+        http.transport(),
+    ];
+    for (n, transport) in transports.iter().enumerate() {
+        let run = format!("run-ask-{n}");
+        let first = scenario(&sdk, &scratch, "ts", &["ask", &run], transport);
+        let asked = json!({"sampling": 1, "elicitation": 1, "roots": 1});
+        assert_eq!(first["asked"], asked, "{transport:?}: {first}");
+        assert!(!replayed(&first["sampling"]), "{first}");
+        let text = first["sampling"]["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(text.contains("sampled by the client"), "{first}");
+
+        // The same calls again: the side-effecting ones are replayed (the client is not
+        // asked again), the read-only one runs.
+        let again = scenario(&sdk, &scratch, "ts", &["ask", &run], transport);
+        let asked = json!({"sampling": 0, "elicitation": 0, "roots": 1});
+        assert_eq!(again["asked"], asked, "{transport:?}: {again}");
+        assert!(
+            replayed(&again["sampling"]) && replayed(&again["elicitation"]),
+            "{again}"
+        );
+        assert_eq!(again["sampling"]["content"], first["sampling"]["content"]);
+    }
+}
+
 /// A client speaking JSON-RPC lines to an `idem proxy` on stdio, by hand: for the
 /// tests that kill things.
 struct Driver {

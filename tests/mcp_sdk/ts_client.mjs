@@ -2,6 +2,7 @@
 // usage: node ts_client.mjs SCENARIO [ARGS...] (stdio -- CMD [ARGS...] | http URL)
 // scenarios: retry RUN | concurrent RUN N | norun | readonly RUN | failonce RUN TAG | list | meta RUN
 //            | survey (tools, resources, prompts, calls with progress: for the "everything" server)
+//            | ask RUN (the "everything" server's own requests to the client: sampling, elicitation, roots)
 // Env: MCPFIX_NODE = dir holding node_modules (default ./node next to this file).
 import path from 'node:path';
 import { pathToFileURL, fileURLToPath } from 'node:url';
@@ -11,9 +12,9 @@ const load = (p) => import(pathToFileURL(path.join(NODE, 'node_modules', '@model
 const { Client } = await load('client/index.js');
 const { StdioClientTransport } = await load('client/stdio.js');
 const { StreamableHTTPClientTransport } = await load('client/streamableHttp.js');
-const { McpError, ErrorCode } = await load('types.js');
+const { McpError, ErrorCode, CreateMessageRequestSchema, ElicitRequestSchema, ListRootsRequestSchema } = await load('types.js');
 
-const ARITY = { retry: 1, concurrent: 2, norun: 0, readonly: 1, failonce: 2, list: 0, meta: 1, survey: 0 };
+const ARITY = { retry: 1, concurrent: 2, norun: 0, readonly: 1, failonce: 2, list: 0, meta: 1, survey: 0, ask: 1 };
 const EMAIL = { to: 'ada@example.com', subject: 'hi', body: 'b' };
 const [name, ...rest] = process.argv.slice(2);
 const args = rest.slice(0, ARITY[name]);
@@ -71,6 +72,13 @@ async function scenario(c) {
         { onprogress: () => { progress += 1; }, timeout: 10000 });
       return { server: c.getServerVersion(), capabilities: c.getServerCapabilities(), tools, resources: resources.length, read, templates, prompts, prompt, echo, sum, long: pick(long), progress };
     }
+    case 'ask': {
+      // Tools that send the client requests of their own while they run.
+      const sampling = await call(c, 'trigger-sampling-request', { prompt: 'hello', maxTokens: 10 }, args[0]);
+      const elicitation = await call(c, 'trigger-elicitation-request', {}, args[0]);
+      const roots = await call(c, 'get-roots-list', {});
+      return { sampling, elicitation, roots, asked };
+    }
     default:
       throw new Error(`unknown scenario ${name}`);
   }
@@ -87,7 +95,21 @@ if (spec[0] === 'stdio') {
   console.error("transport must be 'stdio -- CMD...' or 'http URL'");
   process.exit(2);
 }
-const client = new Client({ name: 'ts-client', version: '0.0.1' });
+// `ask` answers the server's requests, and counts them.
+const asked = { sampling: 0, elicitation: 0, roots: 0 };
+const capabilities = name === 'ask' ? { sampling: {}, elicitation: {}, roots: { listChanged: true } } : {};
+const client = new Client({ name: 'ts-client', version: '0.0.1' }, { capabilities });
+if (name === 'ask') {
+  client.setRequestHandler(CreateMessageRequestSchema, async () => {
+    asked.sampling += 1;
+    return { model: 'test-model', role: 'assistant', content: { type: 'text', text: 'sampled by the client' } };
+  });
+  client.setRequestHandler(ElicitRequestSchema, async () => { asked.elicitation += 1; return { action: 'decline' }; });
+  client.setRequestHandler(ListRootsRequestSchema, async () => {
+    asked.roots += 1;
+    return { roots: [{ uri: 'file:///srv/project', name: 'project' }] };
+  });
+}
 await client.connect(transport);
 const out = await scenario(client);
 await client.close();
