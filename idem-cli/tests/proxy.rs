@@ -594,10 +594,14 @@ impl Driver {
     }
 
     fn send_email(&mut self, id: u64, run: &str) {
+        self.send_email_to(id, run, "ada@example.com");
+    }
+
+    fn send_email_to(&mut self, id: u64, run: &str, to: &str) {
         self.send(
             json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
                 "name": "send_email",
-                "arguments": {"to": "ada@example.com", "subject": "hi", "body": "b"},
+                "arguments": {"to": to, "subject": "hi", "body": "b"},
                 "_meta": {"idem/run": run}
             }}),
         );
@@ -722,4 +726,80 @@ fn a_server_that_dies_mid_call_is_restarted_and_the_call_settled_by_policy() {
         assert!(after.get("result").is_some(), "{after}");
         proxy.kill();
     }
+}
+
+/// The ledger's lines for one recipient.
+fn lines_to(scratch: &Scratch, to: &str) -> usize {
+    let ledger = std::fs::read_to_string(scratch.path("ledger")).unwrap_or_default();
+    ledger
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|line| line["to"] == json!(to))
+        .count()
+}
+
+#[test]
+fn a_campaign_of_proxy_kills_at_random_moments() {
+    let Some(sdk) = Sdk::find("a_campaign_of_proxy_kills_at_random_moments") else {
+        return;
+    };
+    // Each round: a call, the proxy SIGKILLed at a random moment of it (before the
+    // claim, before the email, inside the crash window, after the answer), then the
+    // proxy started again and the call retried until it has an answer.
+    let scratch = Scratch::new();
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+        | 1;
+    let mut random = move |below: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % below
+    };
+    let (mut extra_lines, mut unknown) = (0, 0);
+    for round in 0..12 {
+        let at_most_once = round % 2 == 1;
+        let mut extra = vec!["--lease", "1s"];
+        if at_most_once {
+            extra.push("--at-most-once");
+        }
+        let to = format!("round-{round}@example.com");
+        let run = format!("run-campaign-{round}");
+        let mut proxy = Driver::start(&sdk, &scratch, &extra, 300);
+        proxy.send_email_to(1, &run, &to);
+        std::thread::sleep(Duration::from_millis(random(700)));
+        proxy.kill();
+
+        let mut proxy = Driver::start(&sdk, &scratch, &extra, 300);
+        proxy.send_email_to(2, &run, &to);
+        let retry = proxy.response(2);
+        let lines = lines_to(&scratch, &to);
+        if at_most_once {
+            assert!(
+                lines <= 1,
+                "round {round}: at most once, {lines} emails: {retry}"
+            );
+            if retry.get("result").is_none() {
+                let message = retry["error"]["message"].as_str().unwrap_or_default();
+                assert!(
+                    message.contains("outcome unknown"),
+                    "round {round}: {retry}"
+                );
+                unknown += 1;
+            } else {
+                assert_eq!(lines, 1, "round {round}: {retry}");
+            }
+        } else {
+            assert!(retry.get("result").is_some(), "round {round}: {retry}");
+            assert!(
+                (1..=2).contains(&lines),
+                "round {round}: at least once, {lines} emails"
+            );
+            extra_lines += lines - 1;
+        }
+        proxy.kill();
+    }
+    eprintln!("12 kills: {extra_lines} extra emails (at least once), {unknown} outcomes unknown (at most once)");
 }
