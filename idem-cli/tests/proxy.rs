@@ -234,8 +234,15 @@ impl HttpProxy {
     /// In front of a server it starts (`server` is a command), or, with `["--upstream",
     /// url]`, in front of an HTTP server.
     fn start(sdk: &Sdk, scratch: &Scratch, server: Vec<String>) -> Self {
+        HttpProxy::start_with(sdk, scratch, &[], server)
+    }
+
+    /// [`HttpProxy::start`] with more options (`--store URL`).
+    fn start_with(sdk: &Sdk, scratch: &Scratch, extra: &[String], server: Vec<String>) -> Self {
         let mut command = Command::new(IDEM);
-        command.args(["proxy", "--listen", "127.0.0.1:0"]);
+        command
+            .args(["proxy", "--listen", "127.0.0.1:0"])
+            .args(extra);
         if server.first().is_some_and(|a| a == "--upstream") {
             command.args(server);
         } else {
@@ -536,6 +543,51 @@ fn the_servers_own_requests_reach_the_client_during_a_protected_call() {
             "{again}"
         );
         assert_eq!(again["sampling"]["content"], first["sampling"]["content"]);
+    }
+}
+
+#[test]
+fn a_fleet_of_http_proxies_shares_postgres_or_redis() {
+    let Some(sdk) = Sdk::find("a_fleet_of_http_proxies_shares_postgres_or_redis") else {
+        return;
+    };
+    let unique = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    // One table and prefix for every run of this test (its records expire), a run id
+    // of its own each time.
+    let run = format!("run-fleet-{unique}");
+    let stores = [
+        ("IDEM_POSTGRES_URL", "--table", "idem_proxy_test"),
+        ("IDEM_REDIS_URL", "--prefix", "idem-proxy-test:"),
+    ];
+    for (variable, option, name) in stores {
+        let Some(url) = std::env::var(variable).ok().filter(|u| !u.is_empty()) else {
+            eprintln!(
+                "SKIPPED a_fleet_of_http_proxies_shares_postgres_or_redis on {variable}: not set"
+            );
+            continue;
+        };
+        // Two proxies (two machines of a fleet), each with its own server process.
+        let scratch = Scratch::new();
+        let extra = [
+            "--store".to_owned(),
+            url,
+            option.to_owned(),
+            name.to_owned(),
+        ];
+        let a = HttpProxy::start_with(&sdk, &scratch, &extra, sdk.server("py"));
+        let b = HttpProxy::start_with(&sdk, &scratch, &extra, sdk.server("ts"));
+        let args = ["concurrent", run.as_str(), "1"];
+        let first = scenario(&sdk, &scratch, "py", &args, &a.transport());
+        let second = scenario(&sdk, &scratch, "ts", &args, &b.transport());
+        assert_eq!(
+            first["message_ids"], second["message_ids"],
+            "{variable}: {second}"
+        );
+        assert!(replayed(&second["results"][0]), "{variable}: {second}");
+        assert_eq!(scratch.lines("ledger"), 1, "{variable}: one email");
     }
 }
 
