@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -34,6 +35,7 @@ pub async fn serve(addr: SocketAddr, policy: Policy, server: Server) -> Result<(
         server,
         sessions: Mutex::default(),
     });
+    tokio::spawn(expire_idle(Arc::downgrade(&proxy)));
     let app = Router::new()
         .route("/mcp", post(post_mcp).get(get_mcp).delete(delete_mcp))
         .with_state(Arc::clone(&proxy));
@@ -51,6 +53,33 @@ pub async fn serve(addr: SocketAddr, policy: Policy, server: Server) -> Result<(
         session.close().await;
     }
     Ok(())
+}
+
+/// How long a session may go without a message from its client before the proxy ends
+/// it (a client that went away without `DELETE`), stopping its server.
+const IDLE: Duration = Duration::from_secs(3600);
+
+/// Ends idle sessions, once a minute.
+async fn expire_idle(proxy: std::sync::Weak<Proxy>) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let Some(proxy) = proxy.upgrade() else {
+            return;
+        };
+        let idle: Vec<Arc<HttpSession>> = {
+            let mut sessions = proxy.lock();
+            let ids: Vec<String> = sessions
+                .iter()
+                .filter(|(_, s)| s.idle() > IDLE && s.session.calls_in_flight() == 0)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.iter().filter_map(|id| sessions.remove(id)).collect()
+        };
+        for session in idle {
+            tracing::info!("idem proxy: ending a session idle for an hour");
+            tokio::spawn(async move { session.close().await });
+        }
+    }
 }
 
 /// Ctrl-C or SIGTERM.
@@ -88,9 +117,22 @@ struct HttpSession {
     session: Arc<Session>,
     sink: Arc<HttpSink>,
     closing: watch::Sender<bool>,
+    /// When the client last sent anything.
+    seen: Mutex<Instant>,
 }
 
 impl HttpSession {
+    fn touch(&self) {
+        *self.seen.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    fn idle(&self) -> Duration {
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed()
+    }
+
     /// Lets the calls in flight finish and record, then stops the upstream.
     async fn close(&self) {
         finish_calls(&self.session).await;
@@ -190,7 +232,10 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
     let id = message.get("id").filter(|_| method.is_some()).cloned();
     let (session, new_id) = match session_of(&proxy, &headers) {
         Err(response) => return response.into_response(),
-        Ok(Some(session)) => (session, None),
+        Ok(Some(session)) => {
+            session.touch();
+            (session, None)
+        }
         Ok(None) if method == Some("initialize") => match start_session(&proxy).await {
             Ok((id, session)) => (session, Some(id)),
             Err(error) => {
@@ -246,6 +291,7 @@ async fn start_session(proxy: &Arc<Proxy>) -> Result<(String, Arc<HttpSession>),
         session,
         sink,
         closing,
+        seen: Mutex::new(Instant::now()),
     });
     proxy.lock().insert(id.clone(), Arc::clone(&http));
     Ok((id, http))
@@ -269,6 +315,7 @@ async fn get_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap) -> Respons
         Ok(None) => return bad_request("no Mcp-Session-Id header"),
         Err(response) => return response.into_response(),
     };
+    session.touch();
     let (sender, receiver) = mpsc::unbounded_channel::<Value>();
     {
         let mut stream = session
