@@ -393,3 +393,110 @@ impl Store for Down {
         unreachable()
     }
 }
+
+/// A server written by hand, without rmcp's tool router: its `get_tool` does not
+/// answer, and it lists its tools in two pages.
+#[derive(Clone, Default)]
+struct ByHand {
+    reads: Arc<AtomicUsize>,
+    writes: Arc<AtomicUsize>,
+}
+
+impl ServerHandler for ByHand {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        request: Option<rmcp::model::PaginatedRequestParams>,
+        _: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, ErrorData> {
+        let schema = Arc::new(serde_json::Map::new());
+        let second_page = request.and_then(|r| r.cursor).is_some();
+        let (tool, read_only) = if second_page {
+            ("read", true)
+        } else {
+            ("write", false)
+        };
+        let annotations = rmcp::model::ToolAnnotations::new().read_only(read_only);
+        let tool = rmcp::model::Tool::new(tool, "a tool", schema).annotate(annotations);
+        let mut list = rmcp::model::ListToolsResult::with_all_items(vec![tool]);
+        if !second_page {
+            list.next_cursor = Some("page-2".into());
+        }
+        Ok(list)
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
+        let n = match &*request.name {
+            "read" => self.reads.fetch_add(1, Ordering::SeqCst) + 1,
+            _ => self.writes.fetch_add(1, Ordering::SeqCst) + 1,
+        };
+        let size = request
+            .arguments
+            .as_ref()
+            .and_then(|a| a.get("size"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize;
+        let text = format!("{} {n}{}", request.name, "x".repeat(size));
+        Ok(CallToolResult::success(vec![Content::text(text)]).into())
+    }
+}
+
+#[tokio::test]
+async fn a_read_only_tool_is_known_before_the_client_lists_the_tools() {
+    let server = ByHand::default();
+    let client = connect(Idempotent::new(server.clone()).store(MemoryStore::new())).await;
+    // Not listed yet, its hint on the second page: it runs, without a run id too.
+    client
+        .call_tool(call("read", json!({}), &[]))
+        .await
+        .unwrap();
+    client
+        .call_tool(in_run("read", json!({}), "r1"))
+        .await
+        .unwrap();
+    client
+        .call_tool(in_run("read", json!({}), "r1"))
+        .await
+        .unwrap();
+    assert_eq!(server.reads.load(Ordering::SeqCst), 3);
+    // The other is protected.
+    client
+        .call_tool(in_run("write", json!({}), "r1"))
+        .await
+        .unwrap();
+    client
+        .call_tool(in_run("write", json!({}), "r1"))
+        .await
+        .unwrap();
+    assert_eq!(server.writes.load(Ordering::SeqCst), 1);
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_result_too_large_to_store_is_returned_once_and_never_run_again() {
+    let server = ByHand::default();
+    let client = connect(Idempotent::new(server.clone()).store(MemoryStore::new())).await;
+    let big = json!({"size": 5 << 20});
+    let first = client
+        .call_tool(in_run("write", big.clone(), "r1"))
+        .await
+        .unwrap();
+    assert!(
+        text(&first).len() > 5 << 20,
+        "the caller gets the whole result"
+    );
+    assert_ne!(first.is_error, Some(true));
+    let retry = client.call_tool(in_run("write", big, "r1")).await.unwrap();
+    assert_eq!(retry.is_error, Some(true), "{retry:?}");
+    assert!(text(&retry).contains("this call ran"), "{}", text(&retry));
+    assert!(replayed(&retry));
+    assert_eq!(server.writes.load(Ordering::SeqCst), 1, "never run again");
+    client.cancel().await.unwrap();
+}

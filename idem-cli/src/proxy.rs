@@ -238,11 +238,12 @@ fn on_client_line(session: &Arc<Session>, line: String) {
     }
 }
 
-/// Waits (up to an hour) for the protected calls in flight to finish and record their
-/// results: a client that went away retries later, and gets them.
+/// Waits (up to an hour) for the client's requests in flight to be answered, and its
+/// protected calls to finish and record their results: a client that went away
+/// retries later, and gets them.
 async fn finish_calls(session: &Session) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
-    while session.calls_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+    while session.requests_in_flight() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

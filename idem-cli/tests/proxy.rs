@@ -595,24 +595,56 @@ fn a_fleet_of_http_proxies_shares_postgres_or_redis() {
 /// tests that kill things.
 struct Driver {
     child: Child,
-    stdin: ChildStdin,
+    stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<Value>,
 }
 
 impl Driver {
+    /// A proxy in front of the Python SDK's server, initialized.
     fn start(sdk: &Sdk, scratch: &Scratch, extra: &[&str], latency_ms: u64) -> Driver {
+        let mut driver = Driver::spawn(
+            sdk,
+            scratch,
+            extra,
+            sdk.server("py"),
+            &[("LATENCY_MS", &latency_ms.to_string())],
+        );
+        driver.initialize();
+        driver
+    }
+
+    /// A proxy in front of `tests/mcp_sdk/raw_server.py` in `mode`, initialized.
+    fn raw(sdk: &Sdk, scratch: &Scratch, extra: &[&str], env: &[(&str, &str)]) -> Driver {
+        let server = vec![
+            sdk.python.display().to_string(),
+            sdk.fixture("raw_server.py"),
+        ];
+        let mut driver = Driver::spawn(sdk, scratch, extra, server, env);
+        driver.initialize();
+        driver
+    }
+
+    /// A proxy in front of `server`, not yet initialized.
+    fn spawn(
+        sdk: &Sdk,
+        scratch: &Scratch,
+        extra: &[&str],
+        server: Vec<String>,
+        env: &[(&str, &str)],
+    ) -> Driver {
         let mut command = Command::new(IDEM);
         command
             .arg("proxy")
             .args(extra)
             .arg("--")
-            .args(sdk.server("py"))
+            .args(server)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        scratch.env(sdk, &mut command, latency_ms);
+        scratch.env(sdk, &mut command, 0);
+        command.envs(env.iter().copied());
         let mut child = command.spawn().expect("the proxy starts");
-        let stdin = child.stdin.take().expect("stdin");
+        let stdin = Some(child.stdin.take().expect("stdin"));
         let stdout = child.stdout.take().expect("stdout");
         let (sender, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -624,25 +656,49 @@ impl Driver {
                 }
             }
         });
-        let mut driver = Driver {
+        Driver {
             child,
             stdin,
             lines,
-        };
-        let init = driver.request(
-            0,
-            "initialize",
-            json!({"protocolVersion": "2025-11-25", "capabilities": {},
-                   "clientInfo": {"name": "driver", "version": "1"}}),
-        );
+        }
+    }
+
+    fn initialize(&mut self) {
+        let init = self.request(0, "initialize", Driver::initialize_params());
         assert!(init.get("result").is_some(), "{init}");
-        driver.send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
-        driver
+        self.send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+    }
+
+    fn initialize_params() -> Value {
+        json!({"protocolVersion": "2025-11-25", "capabilities": {},
+               "clientInfo": {"name": "driver", "version": "1"}})
+    }
+
+    /// Closes the proxy's stdin, as a client that went away.
+    fn close(&mut self) {
+        self.stdin = None;
+    }
+
+    /// Waits for the proxy to exit by itself; what it still wrote.
+    fn wait_for_exit(mut self, limit: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the proxy did not exit in {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.lines.try_iter().collect()
     }
 
     fn send(&mut self, message: Value) {
-        writeln!(self.stdin, "{message}").expect("the proxy reads");
-        self.stdin.flush().expect("the proxy reads");
+        let stdin = self.stdin.as_mut().expect("stdin is open");
+        writeln!(stdin, "{message}").expect("the proxy reads");
+        stdin.flush().expect("the proxy reads");
     }
 
     fn send_email(&mut self, id: u64, run: &str) {
@@ -854,4 +910,263 @@ fn a_campaign_of_proxy_kills_at_random_moments() {
         proxy.kill();
     }
     eprintln!("12 kills: {extra_lines} extra emails (at least once), {unknown} outcomes unknown (at most once)");
+}
+
+#[test]
+fn a_call_sent_just_before_the_client_closes_stdin_is_answered() {
+    let Some(sdk) = Sdk::find("a_call_sent_just_before_the_client_closes_stdin_is_answered") else {
+        return;
+    };
+    for extra in [&[][..], &["--at-most-once"][..]] {
+        // `printf '...' | idem proxy -- server`: the call, then end of input at once.
+        let scratch = Scratch::new();
+        let mut proxy = Driver::start(&sdk, &scratch, extra, 300);
+        proxy.send_email(1, "run-eof");
+        proxy.send(json!({"jsonrpc": "2.0", "id": 2, "method": "ping"}));
+        proxy.close();
+        let written = proxy.wait_for_exit(Duration::from_secs(30));
+        let answer = written.iter().find(|m| m["id"] == json!(1));
+        let answer = answer.unwrap_or_else(|| panic!("{extra:?}: no answer: {written:?}"));
+        assert!(
+            answer["result"]["structuredContent"]["message_id"].is_string(),
+            "{answer}"
+        );
+        assert!(written
+            .iter()
+            .any(|m| m["id"] == json!(2) && m.get("result").is_some()));
+        assert_eq!(scratch.lines("ledger"), 1, "{extra:?}");
+
+        // Recorded: the retry through a new proxy is replayed, never `outcome unknown`.
+        let mut proxy = Driver::start(&sdk, &scratch, extra, 300);
+        proxy.send_email(3, "run-eof");
+        let retry = proxy.response(3);
+        assert_eq!(
+            retry["result"]["structuredContent"],
+            answer["result"]["structuredContent"]
+        );
+        assert_eq!(scratch.lines("ledger"), 1, "{extra:?}");
+        proxy.kill();
+    }
+}
+
+#[test]
+fn a_client_id_like_the_proxys_own_stays_the_clients() {
+    let Some(sdk) = Sdk::find("a_client_id_like_the_proxys_own_stays_the_clients") else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let mut proxy = Driver::start(&sdk, &scratch, &[], 300);
+    proxy.send_email(1, "run-ids");
+    for id in ["idem-proxy-1", "idem-proxy-2", "idem-proxy-0"] {
+        proxy.send(json!({"jsonrpc": "2.0", "id": id, "method": "ping"}));
+    }
+    let call = proxy.response(1);
+    assert!(
+        call["result"]["structuredContent"]["message_id"].is_string(),
+        "{call}"
+    );
+    proxy.send_email(2, "run-ids");
+    let retry = proxy.response(2);
+    assert_eq!(
+        retry["result"]["structuredContent"],
+        call["result"]["structuredContent"]
+    );
+    proxy.kill();
+}
+
+#[test]
+fn what_the_proxy_cannot_replay_it_does_not_store() {
+    let Some(sdk) = Sdk::find("what_the_proxy_cannot_replay_it_does_not_store") else {
+        return;
+    };
+    let send = |id: u64, run: &str, extra: Value| {
+        let mut params = json!({"name": "send", "arguments": {"n": 1}, "_meta": {"idem/run": run}});
+        if let (Some(params), Some(extra)) = (params.as_object_mut(), extra.as_object()) {
+            params.extend(extra.clone());
+        }
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params})
+    };
+
+    // A result over the store's limit: the caller gets it whole; a retry gets a tool
+    // error that says the call ran, and the tool does not run again.
+    let scratch = Scratch::new();
+    let mut proxy = Driver::raw(&sdk, &scratch, &[], &[("MODE", "big")]);
+    proxy.send(send(1, "run-big", json!({})));
+    let first = proxy.response(1);
+    let text = first["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default();
+    assert_eq!(text.len(), 5 << 20, "the whole result");
+    proxy.send(send(2, "run-big", json!({})));
+    let retry = proxy.response(2);
+    assert_eq!(retry["result"]["isError"], json!(true), "{retry}");
+    let said = retry["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(said.contains("this call ran"), "{said}");
+    assert_eq!(scratch.lines("ledger"), 1, "the tool ran once");
+    proxy.kill();
+
+    // A request for the client's input is the first round, not the outcome: the next
+    // round, with the client's answers, runs.
+    let scratch = Scratch::new();
+    let mut proxy = Driver::raw(&sdk, &scratch, &[], &[("MODE", "input")]);
+    proxy.send(send(1, "run-input", json!({})));
+    let first = proxy.response(1);
+    assert_eq!(
+        first["result"]["resultType"],
+        json!("input_required"),
+        "{first}"
+    );
+    let answers = json!({"inputResponses": {"q": {"action": "accept"}}, "requestState": "s1"});
+    proxy.send(send(2, "run-input", answers));
+    let second = proxy.response(2);
+    assert_eq!(
+        second["result"]["structuredContent"]["n"],
+        json!(2),
+        "{second}"
+    );
+    assert!(!replayed(&second["result"]), "{second}");
+    proxy.kill();
+
+    // A tool that turns side-effecting (notifications/tools/list_changed) is protected
+    // from its next call.
+    let scratch = Scratch::new();
+    let mut proxy = Driver::raw(&sdk, &scratch, &[], &[("MODE", "flip"), ("RO", "true")]);
+    for id in 1..=3 {
+        proxy.send(send(id, "run-flip", json!({})));
+        proxy.response(id);
+    }
+    assert_eq!(
+        scratch.lines("ledger"),
+        2,
+        "read-only once, then protected: two runs of three"
+    );
+    proxy.kill();
+}
+
+#[test]
+fn a_server_that_keeps_exiting_gets_requests_answered_not_stalled() {
+    let Some(sdk) = Sdk::find("a_server_that_keeps_exiting_gets_requests_answered_not_stalled")
+    else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let server = vec![
+        sdk.python.display().to_string(),
+        sdk.fixture("raw_server.py"),
+    ];
+    let mut proxy = Driver::spawn(&sdk, &scratch, &[], server, &[("MODE", "exit")]);
+    let started = Instant::now();
+    let init = proxy.request(0, "initialize", Driver::initialize_params());
+    assert!(init.get("error").is_some(), "{init}");
+    proxy.send_email(1, "run-exit");
+    let call = proxy.response(1);
+    assert!(call.get("error").is_some(), "{call}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "answered in {:?}",
+        started.elapsed()
+    );
+    proxy.close();
+    proxy.wait_for_exit(Duration::from_secs(15));
+}
+
+/// One HTTP/1.1 request to `url` (`http://ADDR/mcp`) on a connection of its own: the
+/// status code, the `Mcp-Session-Id` header, and the connection (to read the body).
+fn http(
+    url: &str,
+    method: &str,
+    session: Option<&str>,
+    body: &str,
+) -> (u16, Option<String>, std::net::TcpStream) {
+    let addr = url.trim_start_matches("http://").trim_end_matches("/mcp");
+    let mut connection = std::net::TcpStream::connect(addr).expect("the proxy listens");
+    let mut head = format!(
+        "{method} /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(session) = session {
+        head.push_str(&format!("Mcp-Session-Id: {session}\r\n"));
+    }
+    head.push_str("\r\n");
+    connection.write_all(head.as_bytes()).unwrap();
+    connection.write_all(body.as_bytes()).unwrap();
+    connection
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut reader = BufReader::new(connection.try_clone().unwrap());
+    let mut status = String::new();
+    reader.read_line(&mut status).unwrap();
+    let code = status
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let mut session_id = None;
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        if line.trim().is_empty() {
+            break;
+        }
+        if let Some((name, value)) = line.split_once(':') {
+            if name.eq_ignore_ascii_case("mcp-session-id") {
+                session_id = Some(value.trim().to_owned());
+            }
+        }
+    }
+    (code, session_id, connection)
+}
+
+#[test]
+fn the_http_proxy_refuses_batches_and_stops_on_sigterm_with_streams_open() {
+    let Some(sdk) =
+        Sdk::find("the_http_proxy_refuses_batches_and_stops_on_sigterm_with_streams_open")
+    else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let mut proxy = HttpProxy::start(&sdk, &scratch, sdk.server("py"));
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                      "params": Driver::initialize_params()});
+    let (code, session, _) = http(&proxy.url, "POST", None, &init.to_string());
+    assert_eq!(code, 200);
+    let session = session.expect("a session id");
+    let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    let (code, _, _) = http(&proxy.url, "POST", Some(&session), &initialized.to_string());
+    assert_eq!(code, 202);
+
+    // A batch would skip protection: refused, and nothing runs.
+    let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "send_email", "arguments": {"to": "a@example.com", "subject": "s", "body": "b"}}});
+    let (code, _, _) = http(
+        &proxy.url,
+        "POST",
+        Some(&session),
+        &json!([call]).to_string(),
+    );
+    assert_eq!(code, 400);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(scratch.lines("ledger"), 0);
+
+    // A client holds the stream of the server's messages open; SIGTERM still stops
+    // the proxy.
+    let (code, _, _stream) = http(&proxy.url, "GET", Some(&session), "");
+    assert_eq!(code, 200);
+    let pid = proxy.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while proxy.child.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the proxy did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

@@ -40,7 +40,8 @@ use std::sync::{Arc, Mutex};
 use serde_json::{Map, Value};
 
 use crate::error::Error;
-use crate::run::Run;
+use crate::key_text::Key;
+use crate::run::{is_blank, Run};
 use crate::store::Store;
 use crate::telemetry::observe;
 use crate::tool::Tool;
@@ -278,9 +279,11 @@ impl Policy {
         if !self.protects(name, read_only_hint) {
             return Plan::Forward;
         }
+        // Absent, not a string, or blank: no run id.
         let run_id = meta
             .and_then(|meta| meta.get(&*self.run_meta_key))
-            .and_then(Value::as_str);
+            .and_then(Value::as_str)
+            .filter(|id| !is_blank(id));
         if run_id.is_none() && self.without_run == WithoutRun::Forward {
             return Plan::Forward;
         }
@@ -347,14 +350,21 @@ impl Protected {
         let empty = Map::new();
         let arguments = arguments.unwrap_or(&empty);
         let store_tool_errors = self.store_tool_errors;
-        let call = self.tool.call(&self.run, arguments, move |_key| {
+        let limit = self
+            .run
+            .store()
+            .map_or(usize::MAX, |s| s.max_result_bytes());
+        // A result too large to store: this caller gets it from here.
+        let too_large: Arc<Mutex<Option<Value>>> = Arc::default();
+        let kept = Arc::clone(&too_large);
+        let call = self.tool.call(&self.run, arguments, move |key| {
             let forwarded = forward();
             async move {
                 match forwarded.await {
                     Ok(result) if is_tool_error(&result) && !store_tool_errors => {
                         Err(Unstored::ToolError(result))
                     }
-                    Ok(result) => Ok(result),
+                    Ok(result) => Ok(within_limit(result, limit, &key, &kept)),
                     Err(other) => Err(Unstored::Forwarded(other)),
                 }
             }
@@ -362,6 +372,9 @@ impl Protected {
         let (answer, report) = observe(call).await;
         match answer {
             Ok(mut result) => {
+                if let Some(whole) = lock(&too_large).take() {
+                    return Answer::Result(whole);
+                }
                 if report.is_some_and(|report| report.replayed()) {
                     mark_replayed(&mut result);
                 }
@@ -396,6 +409,42 @@ pub fn rpc_error(error: &Error, run_meta_key: &str) -> (i64, String) {
         ),
         Error::PayloadMismatch { .. } | Error::Input { .. } => (INVALID_PARAMS, error.to_string()),
         other => (INTERNAL_ERROR, other.to_string()),
+    }
+}
+
+/// `result`, if it is within the store's `limit`; else a stand-in to store in its
+/// place (a tool error that says the call ran and its result is not replayed), with
+/// `result` kept for the caller that ran it. So the tool never runs twice for want of
+/// room, and a retry is told the truth.
+fn within_limit(result: Value, limit: usize, key: &Key, kept: &Mutex<Option<Value>>) -> Value {
+    let size = serde_json::to_vec(&result).map_or(0, |bytes| bytes.len());
+    if size <= limit {
+        return result;
+    }
+    tracing::warn!(%key, size, limit, "idem: a tool result is over the store's limit; the caller gets it, and retries get a tool error that says it ran");
+    *lock(kept) = Some(result);
+    let text = format!(
+        "this call ran (idempotency key {key}), but its result ({size} bytes) is over the \
+         store's limit ({limit} bytes), so it was given to the first call only and is not \
+         replayed; the tool is not run again"
+    );
+    serde_json::json!({"content": [{"type": "text", "text": text}], "isError": true})
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Whether a `tools/call` result is the call's outcome (`resultType` absent or
+/// `"complete"`), to store; not a request for the client's input
+/// (`"input_required"`) nor a task to poll (`"task"`), which the next round or poll
+/// completes.
+pub fn is_outcome(result: &Value) -> bool {
+    match result.get("resultType") {
+        None => true,
+        Some(kind) => kind == "complete",
     }
 }
 

@@ -44,8 +44,15 @@ pub async fn serve(addr: SocketAddr, policy: Policy, server: Server) -> Result<(
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     eprintln!("idem proxy: serving MCP at http://{local}/mcp");
+    let stopping = Arc::clone(&proxy);
     axum::serve(listener, app)
-        .with_graceful_shutdown(stopped())
+        .with_graceful_shutdown(async move {
+            stopped().await;
+            // Open streams would hold the shutdown forever: they end now.
+            for session in stopping.lock().values() {
+                session.sink.close_stream();
+            }
+        })
         .await
         .map_err(|e| e.to_string())?;
     let sessions: Vec<Arc<HttpSession>> = proxy.lock().drain().map(|(_, s)| s).collect();
@@ -154,6 +161,13 @@ struct Stream {
     held: Vec<Value>,
 }
 
+impl HttpSink {
+    /// Ends the `GET` stream, if one is open.
+    fn close_stream(&self) {
+        self.stream.lock().unwrap_or_else(|p| p.into_inner()).open = None;
+    }
+}
+
 impl ClientSink for HttpSink {
     fn send(&self, message: Value) {
         let is_response = message.get("method").is_none();
@@ -228,6 +242,10 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
             return (StatusCode::BAD_REQUEST, Json(body)).into_response();
         }
     };
+    if message.is_array() {
+        // Each message of a batch would need its own answer and protection.
+        return bad_request("JSON-RPC batches are not supported: send one message per POST");
+    }
     let method = message.get("method").and_then(Value::as_str);
     let id = message.get("id").filter(|_| method.is_some()).cloned();
     let (session, new_id) = match session_of(&proxy, &headers) {

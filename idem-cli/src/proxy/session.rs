@@ -13,7 +13,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use idem_core::mcp::{read_only_hint, Answer, Plan, Policy, Protected, INTERNAL_ERROR};
+use idem_core::mcp::{is_outcome, read_only_hint, Answer, Plan, Policy, Protected, INTERNAL_ERROR};
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
 
@@ -25,8 +25,17 @@ pub trait ClientSink: Send + Sync + 'static {
     fn send(&self, message: Value);
 }
 
-/// The prefix of the JSON-RPC ids the proxy gives the requests it sends upstream.
-const OWN_ID: &str = "idem-proxy-";
+/// The start of the JSON-RPC ids the proxy gives the requests it sends upstream:
+/// `idem-proxy-` and a random nonce, so that no client's id is ever one of them.
+fn own_id_prefix() -> String {
+    let mut nonce = [0u8; 8];
+    if getrandom::fill(&mut nonce).is_err() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        nonce = now.map_or(0, |d| d.as_nanos() as u64).to_le_bytes();
+    }
+    let nonce: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+    format!("idem-proxy-{nonce}-")
+}
 
 /// A message's id, as a map key (`1` and `"1"` stay apart).
 fn id_key(id: &Value) -> String {
@@ -45,6 +54,8 @@ struct State {
     listing: HashSet<String>,
     /// Protected calls in flight, by the client's id; `true` once the client cancelled.
     protected: HashMap<String, bool>,
+    /// `tools/call` requests received and not answered yet (protected or not).
+    calls: usize,
     /// Each tool's `readOnlyHint`, as the last list gave it.
     hints: HashMap<String, Option<bool>>,
     /// Whether `hints` holds a whole list (none asked since the last `list_changed`).
@@ -56,6 +67,7 @@ struct State {
 /// One client's session (see the module docs).
 pub struct Session {
     policy: Policy,
+    own_id: String,
     upstream: Upstream,
     client: Arc<dyn ClientSink>,
     state: Mutex<State>,
@@ -65,6 +77,7 @@ impl Session {
     pub fn new(policy: Policy, upstream: Upstream, client: Arc<dyn ClientSink>) -> Arc<Self> {
         Arc::new(Session {
             policy,
+            own_id: own_id_prefix(),
             upstream,
             client,
             state: Mutex::default(),
@@ -84,9 +97,16 @@ impl Session {
         self.state().initialize.clone()
     }
 
-    /// Whether protected calls are still in flight.
+    /// How many `tools/call` requests are in flight: received, and not answered yet.
     pub fn calls_in_flight(&self) -> usize {
-        self.state().protected.len()
+        self.state().calls
+    }
+
+    /// How many requests of the client are in flight: `tools/call` requests, and any
+    /// other the upstream has not answered.
+    pub fn requests_in_flight(&self) -> usize {
+        let state = self.state();
+        state.calls + state.forwarded.len()
     }
 
     /// A message from the client.
@@ -95,6 +115,9 @@ impl Session {
         let id = message.get("id").filter(|_| method.is_some()).cloned();
         match (method, id) {
             (Some("tools/call"), Some(id)) => {
+                // In flight from now: a client that closes stdin right after sending it
+                // still gets its answer.
+                self.state().calls += 1;
                 let session = Arc::clone(self);
                 tokio::spawn(async move { session.tools_call(id, message).await });
             }
@@ -121,8 +144,9 @@ impl Session {
                         state.listing.insert(key.clone());
                     }
                     state.forwarded.insert(key, id);
+                    // Sent under the lock it was registered under: see `upstream_exited`.
+                    self.upstream.send(message);
                 }
-                self.upstream.send(message);
             }
             // Notifications, and responses to the upstream's own requests.
             _ => self.upstream.send(message),
@@ -153,16 +177,23 @@ impl Session {
         } else if message.get("method").and_then(Value::as_str)
             == Some("notifications/tools/list_changed")
         {
-            self.state().listed = false;
+            // A tool may have changed its hints: ask again at its next call.
+            let mut state = self.state();
+            state.listed = false;
+            state.hints.clear();
         }
         self.client.send(message);
     }
 
     /// The upstream exited: requests it did not answer get an error (protected calls
-    /// learn it from their own request, see [`Session::tools_call`]).
+    /// learn it from their own request, see [`Session::tools_call`]), and none of them
+    /// reaches the next upstream. A request is registered and sent under one lock, and
+    /// this runs under it too: each request is either answered here and dropped with
+    /// the old link, or registered after, and sent to the next upstream.
     pub fn upstream_exited(&self) {
         let forwarded: Vec<Value> = {
             let mut state = self.state();
+            self.upstream.reset();
             state.listing.clear();
             state.own.clear();
             state.listed = false;
@@ -209,18 +240,18 @@ impl Session {
 
     async fn ask(&self, mut request: Value, first: bool) -> Option<Value> {
         let (sender, receiver) = oneshot::channel();
-        let id = {
+        {
             let mut state = self.state();
             state.next_own += 1;
-            let id = format!("{OWN_ID}{}", state.next_own);
+            let id = format!("{}{}", self.own_id, state.next_own);
             state.own.insert(id_key(&Value::String(id.clone())), sender);
-            id
-        };
-        request["id"] = Value::String(id);
-        if first {
-            self.upstream.send_first(request);
-        } else {
-            self.upstream.send(request);
+            request["id"] = Value::String(id);
+            // Sent under the lock it was registered under: see `upstream_exited`.
+            if first {
+                self.upstream.send_first(request);
+            } else {
+                self.upstream.send(request);
+            }
         }
         receiver.await.ok()
     }
@@ -237,21 +268,26 @@ impl Session {
             .and_then(|p| p.get("_meta"))
             .and_then(Value::as_object);
         let read_only = self.read_only_hint(&name).await;
+        let key = id_key(&id);
         let protected = match self.policy.plan(&name, read_only, meta) {
             Plan::Protect(protected) => protected,
             Plan::Forward => {
                 {
                     let mut state = self.state();
-                    state.forwarded.insert(id_key(&id), id.clone());
+                    state.calls -= 1;
+                    state.forwarded.insert(key, id.clone());
+                    self.upstream.send(request);
                 }
-                self.upstream.send(request);
                 return;
             }
         };
-        let key = id_key(&id);
         self.state().protected.insert(key.clone(), false);
         let response = self.protected_call(&id, request, protected).await;
-        let cancelled = self.state().protected.remove(&key).unwrap_or(false);
+        let cancelled = {
+            let mut state = self.state();
+            state.calls -= 1;
+            state.protected.remove(&key).unwrap_or(false)
+        };
         if !cancelled {
             self.client.send(response);
         }
@@ -273,8 +309,10 @@ impl Session {
         let call = protected.call(arguments.as_ref(), move || async move {
             match session.ask_upstream(request).await {
                 Some(mut response) => match response.get_mut("result") {
-                    Some(result) => Ok(result.take()),
-                    None => Err(response),
+                    Some(result) if is_outcome(result) => Ok(result.take()),
+                    // An error, or a request for the client's input or a task to poll:
+                    // passed on, not stored.
+                    _ => Err(response),
                 },
                 None => {
                     // Gone without an answer: the caller drops this call, which settles

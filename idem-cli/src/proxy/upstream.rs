@@ -97,13 +97,21 @@ impl Upstream {
         }
     }
 
-    fn close(&self) {
+    /// Closes the link to the server (its stdin closes once what was sent is written);
+    /// what waits for it waits for the next one.
+    pub fn close(&self) {
         let mut link = self.link();
         let backlog = match &mut *link {
             Link::Starting(_, backlog) => std::mem::take(backlog),
             _ => Vec::new(),
         };
         *link = Link::Down(backlog);
+    }
+
+    /// The server is gone: the link closes, and what waited for it is dropped (see
+    /// `Session::upstream_exited`).
+    pub fn reset(&self) {
+        *self.link() = Link::Down(Vec::new());
     }
 }
 
@@ -142,7 +150,6 @@ pub async fn supervise(
         };
         let began = Instant::now();
         let status = run_child(&session, child, generation, &mut closing).await;
-        session.upstream().close();
         session.upstream_exited();
         let closed = *closing.borrow();
         if closed {
@@ -208,19 +215,37 @@ async fn run_child(
             }
         })
     };
-    if generation > 0 {
-        if let Some(initialize) = session.initialize_request() {
-            reinitialize(session, initialize).await;
+    // The handshake runs while the child is watched: a child that dies during it is
+    // restarted like any other.
+    let handshake = async {
+        if generation > 0 {
+            if let Some(initialize) = session.initialize_request() {
+                reinitialize(session, initialize).await;
+            }
         }
-    }
-    session.upstream().open();
+        session.upstream().open();
+        std::future::pending::<()>().await
+    };
     let status = tokio::select! {
         status = child.wait() => status.ok(),
+        () = handshake => None,
         _ = closing.wait_for(|closing| *closing) => None,
     };
-    if status.is_none() {
-        let _ = child.kill().await;
-    }
+    let status = match status {
+        Some(status) => Some(status),
+        None => {
+            // Closing: its stdin is closed, as a client that went away closes it, and it
+            // has a few seconds to exit on its own.
+            session.upstream().close();
+            match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
+                Ok(status) => status.ok(),
+                Err(_) => {
+                    let _ = child.kill().await;
+                    None
+                }
+            }
+        }
+    };
     // Whatever the child wrote before it exited is passed on before it counts as gone
     // (bounded: a grandchild may hold its stdout open).
     let mut reading = reading;

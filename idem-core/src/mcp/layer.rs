@@ -38,9 +38,17 @@ use crate::tool::Tool as IdemTool;
 pub struct Idempotent<S> {
     inner: Arc<S>,
     policy: Policy,
-    /// Each tool's `readOnlyHint` as the last `tools/list` gave it, for a server whose
+    /// Each tool's `readOnlyHint` as the lists gave it, for a server whose
     /// [`ServerHandler::get_tool`] does not answer.
-    listed: Arc<Mutex<HashMap<String, Option<bool>>>>,
+    listed: Arc<Mutex<Listed>>,
+}
+
+/// The tools' hints the lists gave.
+#[derive(Default)]
+struct Listed {
+    hints: HashMap<String, Option<bool>>,
+    /// Whether `hints` holds the server's whole list.
+    whole: bool,
 }
 
 /// A handle on the same server, rules and tool list: what rmcp's streamable HTTP
@@ -126,21 +134,56 @@ impl<S: ServerHandler> Idempotent<S> {
         self
     }
 
-    /// The tool's `readOnlyHint`: from the server's own tool list, else from the last
-    /// `tools/list` answered.
-    fn read_only_hint(&self, name: &str) -> Option<bool> {
+    fn listed(&self) -> std::sync::MutexGuard<'_, Listed> {
+        self.listed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The tool's `readOnlyHint`: from the server's `get_tool`, else from the lists
+    /// seen; a tool in none is looked up in the server's whole list first.
+    async fn read_only_hint(
+        &self,
+        name: &str,
+        context: &RequestContext<RoleServer>,
+    ) -> Option<bool> {
         if let Some(tool) = self.inner.get_tool(name) {
             return tool.annotations.and_then(|a| a.read_only_hint);
         }
-        let listed = self.listed.lock().unwrap_or_else(|p| p.into_inner());
-        listed.get(name).copied().flatten()
+        {
+            let listed = self.listed();
+            if let Some(hint) = listed.hints.get(name) {
+                return *hint;
+            }
+            if listed.whole {
+                return None;
+            }
+        }
+        let mut cursor = None;
+        let mut hints = HashMap::new();
+        for _ in 0..100 {
+            let page = PaginatedRequestParams::default().with_cursor(cursor.take());
+            let Ok(list) = self.inner.list_tools(Some(page), context.clone()).await else {
+                break;
+            };
+            for tool in &list.tools {
+                let read_only = tool.annotations.as_ref().and_then(|a| a.read_only_hint);
+                hints.insert(tool.name.to_string(), read_only);
+            }
+            match list.next_cursor {
+                Some(next) => cursor = Some(next),
+                None => break,
+            }
+        }
+        let mut listed = self.listed();
+        listed.hints.extend(hints);
+        listed.whole = true;
+        listed.hints.get(name).copied().flatten()
     }
 
     fn mark_listed(&self, list: &mut ListToolsResult) {
-        let mut listed = self.listed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut listed = self.listed();
         for tool in &mut list.tools {
             let read_only = tool.annotations.as_ref().and_then(|a| a.read_only_hint);
-            listed.insert(tool.name.to_string(), read_only);
+            listed.hints.insert(tool.name.to_string(), read_only);
             self.mark(tool, read_only);
         }
     }
@@ -160,7 +203,7 @@ impl<S: ServerHandler> Idempotent<S> {
         call: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
-        let read_only = self.read_only_hint(&call.name);
+        let read_only = self.read_only_hint(&call.name, &context).await;
         let meta = Some(&context.meta.0 .0);
         let protected = match self.policy.plan(&call.name, read_only, meta) {
             Plan::Forward => return self.inner.call_tool(call, context).await,
