@@ -303,13 +303,21 @@ async fn the_run_id_field_can_be_renamed_and_calls_without_one_forwarded() {
         .unwrap();
     assert!(replayed(&retry));
     assert_eq!(shop.orders.load(Ordering::SeqCst), 1);
-    // No run id: forwarded, unprotected (runs each time).
+    // No run id (absent, blank, not a string): forwarded, unprotected (runs each time).
     client.call_tool(call("order", order(), &[])).await.unwrap();
     client
         .call_tool(in_run("order", order(), "r1"))
         .await
         .unwrap();
-    assert_eq!(shop.orders.load(Ordering::SeqCst), 3);
+    client
+        .call_tool(call("order", order(), &[("acme/session", json!("  "))]))
+        .await
+        .unwrap();
+    client
+        .call_tool(call("order", order(), &[("acme/session", json!(7))]))
+        .await
+        .unwrap();
+    assert_eq!(shop.orders.load(Ordering::SeqCst), 5);
     client.cancel().await.unwrap();
 
     // Refused by default, naming the renamed field.
