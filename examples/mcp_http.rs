@@ -2,8 +2,9 @@
 //! idempotent per agent run, and a client that loses a request.
 //!
 //! ```text
-//! cargo run --example mcp_http                # the story: a client hangs up mid-call, retries
-//! cargo run --example mcp_http -- --serve 8931   # serve http://127.0.0.1:8931/mcp for a real client
+//! cargo run --features rmcp --example mcp_http                # the story: a client hangs up mid-call, retries
+//! cargo run --features rmcp --example mcp_http -- --serve 8931 [--latency-ms 2000]
+//!                                       # serve http://127.0.0.1:8931/mcp for a real client
 //! ```
 //!
 //! The client speaks MCP's 2026-07-28 revision in plain HTTP: every `tools/call` is one
@@ -11,12 +12,14 @@
 //! run id (`idem/run`). It sends `send_email`, the server sends the email, and the
 //! client hangs up before the slow provider answers. As the revision tells a client
 //! that lost a request, it sends the call again with a new JSON-RPC id and the same
-//! `_meta`. rmcp cancels the first request (`ctx.ct`); the tool stops waiting, and the
-//! idempotent call inside it finishes alone and records the message id. The retry gets
-//! that id: one email.
+//! `_meta`. rmcp cancels the first request; `idem::mcp::Idempotent` answers it at once
+//! while the tool runs on and records the message id. The retry gets that id: one
+//! email.
 //!
-//! `--serve` keeps records in idem's default store (`$IDEM_DIR`, else `./.idem`); the
-//! story keeps them in memory, so it can be told again.
+//! `--serve` keeps records in idem's default store (`$IDEM_DIR`, else `./.idem`), and
+//! `--latency-ms` makes the provider answer that long after it sent, so a real client
+//! can give up mid-call and retry; the story keeps records in memory, so it can be told
+//! again.
 
 #[path = "support/mcp.rs"]
 mod mcp;
@@ -43,14 +46,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if let [flag, port] = args.as_slice() {
-        if flag == "--serve" {
-            let mailer = Mailer::new().idempotent(idem::default_store()?);
-            let addr = serve(mailer, port.parse()?).await?;
-            println!("serving MCP at http://{addr}/mcp (Ctrl-C to stop)");
-            tokio::signal::ctrl_c().await?;
-            return Ok(());
-        }
+    if let Some(port) = mcp::flag(&args, "--serve") {
+        let mailer = Mailer::new().with_latency(mcp::latency_flag(&args)?);
+        let addr = serve(mailer.idempotent(idem::default_store()?), port.parse()?).await?;
+        println!("serving MCP at http://{addr}/mcp (Ctrl-C to stop)");
+        tokio::signal::ctrl_c().await?;
+        return Ok(());
     }
 
     let latency = Duration::from_millis(1500);

@@ -1,7 +1,7 @@
 //! An MCP server on stdio whose `send_email` tool is idempotent per agent run.
 //!
 //! ```text
-//! cargo run --example mcp_server
+//! cargo run --features rmcp --example mcp_server [-- --latency-ms 2000]
 //! ```
 //!
 //! Point an MCP client at it, and send the agent's run id in each `tools/call`
@@ -9,7 +9,9 @@
 //! the first call's result and sends nothing; a call without a run id is refused with
 //! an `invalid params` error that says where the id goes. Records are kept in idem's
 //! default store (`$IDEM_DIR`, else `./.idem`), so a retry after a server restart is
-//! replayed too. The server logs to stderr (`RUST_LOG=idem=debug` for each decision).
+//! replayed too. `--latency-ms` makes the provider answer that long after it sent, so a
+//! client can give up mid-call and retry. The server logs to stderr
+//! (`RUST_LOG=idem=debug` for each decision).
 //!
 //! The server in `examples/support/mcp.rs` knows nothing of idem; one line makes its
 //! side-effecting tools idempotent:
@@ -34,8 +36,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .init();
 
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mailer = mcp::Mailer::new().with_latency(mcp::latency_flag(&args)?);
     let store = idem::default_store()?;
-    let server = idem::mcp::Idempotent::new(mcp::Mailer::new())
+    let server = idem::mcp::Idempotent::new(mailer)
         .shared_store(store)
         .serve(rmcp::transport::stdio())
         .await?;

@@ -162,3 +162,18 @@ pub async fn connect<S: Service<RoleServer>>(server: S) -> RunningService<RoleCl
     });
     ().serve(client_end).await.expect("client connects")
 }
+
+/// The value after `name` in `args` (`--serve 8931`).
+pub fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    let at = args.iter().position(|a| a == name)?;
+    args.get(at + 1).map(String::as_str)
+}
+
+/// `--latency-ms N`: how long the provider takes to answer after it sent (none by
+/// default).
+pub fn latency_flag(args: &[String]) -> Result<Duration, std::num::ParseIntError> {
+    match flag(args, "--latency-ms") {
+        Some(ms) => Ok(Duration::from_millis(ms.parse()?)),
+        None => Ok(Duration::ZERO),
+    }
+}
