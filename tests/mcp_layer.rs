@@ -442,6 +442,10 @@ impl ServerHandler for ByHand {
         _: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
         let n = match &*request.name {
+            "panic" => {
+                self.writes.fetch_add(1, Ordering::SeqCst);
+                panic!("a tool that panics")
+            }
             "read" => self.reads.fetch_add(1, Ordering::SeqCst) + 1,
             _ => self.writes.fetch_add(1, Ordering::SeqCst) + 1,
         };
@@ -506,5 +510,26 @@ async fn a_result_too_large_to_store_is_returned_once_and_never_run_again() {
     assert!(text(&retry).contains("this call ran"), "{}", text(&retry));
     assert!(replayed(&retry));
     assert_eq!(server.writes.load(Ordering::SeqCst), 1, "never run again");
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_tool_that_panics_gets_its_client_an_error_and_its_claim_settled() {
+    let server = ByHand::default();
+    let client = connect(Idempotent::new(server.clone()).store(MemoryStore::new())).await;
+    for _ in 0..2 {
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            client.call_tool(in_run("panic", json!({}), "r1")),
+        )
+        .await
+        .expect("answered, not left hanging");
+        let Err(ServiceError::McpError(error)) = answer else {
+            panic!("an error: {answer:?}");
+        };
+        assert!(error.message.contains("panicked"), "{}", error.message);
+    }
+    // At least once (the default): the claim was released, so the retry ran again.
+    assert_eq!(server.writes.load(Ordering::SeqCst), 2);
     client.cancel().await.unwrap();
 }

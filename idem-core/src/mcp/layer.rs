@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use std::future::Future;
 
+use futures_util::FutureExt;
 use rmcp::model::*;
 use rmcp::service::{MaybeSendFuture, NotificationContext, RequestContext, SubscriptionContext};
 use rmcp::{RoleServer, ServerHandler};
@@ -224,8 +225,14 @@ impl<S: ServerHandler> Idempotent<S> {
                 other => Err(other),
             }
         });
+        // A tool that panics has its claim settled by idem (by the delivery policy); the
+        // client gets an error instead of no answer at all.
+        let answer = std::panic::AssertUnwindSafe(answer).catch_unwind();
         let answer = tokio::select! {
-            answer = answer => answer,
+            answer = answer => match answer {
+                Ok(answer) => answer,
+                Err(_) => return Err(ErrorData::internal_error("the tool panicked", None)),
+            },
             () = cancelled.cancelled() => {
                 tracing::info!("idem: a tools/call request was cancelled; its call runs on and records its result for the retry");
                 return Err(ErrorData::internal_error("request cancelled", None));
