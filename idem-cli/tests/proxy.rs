@@ -191,6 +191,11 @@ impl HttpServer {
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
+        HttpServer::start_on(sdk, scratch, port)
+    }
+
+    /// On `port` (again, after it was killed).
+    fn start_on(sdk: &Sdk, scratch: &Scratch, port: u16) -> Self {
         let mut command = Command::new(&sdk.python);
         command
             .arg(sdk.fixture("py_server.py"))
@@ -633,10 +638,11 @@ impl Driver {
         env: &[(&str, &str)],
     ) -> Driver {
         let mut command = Command::new(IDEM);
+        command.arg("proxy").args(extra);
+        if server.first().is_none_or(|a| a != "--upstream") {
+            command.arg("--");
+        }
         command
-            .arg("proxy")
-            .args(extra)
-            .arg("--")
             .args(server)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -815,7 +821,7 @@ fn a_server_that_dies_mid_call_is_restarted_and_the_call_settled_by_policy() {
         assert!(killed.is_ok_and(|s| s.success()));
         let answer = proxy.response(1);
         let message = answer["error"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains("exited during this call"), "{answer}");
+        assert!(message.contains("went away during this call"), "{answer}");
 
         // The proxy restarted the server, in the same client session.
         proxy.send_email(2, "run-crash");
@@ -1151,6 +1157,21 @@ fn the_http_proxy_refuses_batches_and_stops_on_sigterm_with_streams_open() {
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(scratch.lines("ledger"), 0);
 
+    // Two requests with one id in flight at once: the second is refused, the first
+    // answered.
+    let slow = json!({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+        "name": "send_email", "arguments": {"to": "a@example.com", "subject": "s", "body": "b"},
+        "_meta": {"idem/run": "run-dup"}}});
+    let first = {
+        let (url, session, slow) = (proxy.url.clone(), session.clone(), slow.to_string());
+        std::thread::spawn(move || http(&url, "POST", Some(&session), &slow).0)
+    };
+    wait_for_lines(&scratch, "ledger", 1);
+    let (code, _, _) = http(&proxy.url, "POST", Some(&session), &slow.to_string());
+    assert_eq!(code, 400, "the same id, in flight");
+    assert_eq!(first.join().unwrap(), 200);
+    assert_eq!(scratch.lines("ledger"), 1);
+
     // A client holds the stream of the server's messages open; SIGTERM still stops
     // the proxy.
     let (code, _, _stream) = http(&proxy.url, "GET", Some(&session), "");
@@ -1169,4 +1190,106 @@ fn the_http_proxy_refuses_batches_and_stops_on_sigterm_with_streams_open() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+#[test]
+fn an_http_server_that_restarts_or_is_down_is_handled_request_by_request() {
+    let Some(sdk) =
+        Sdk::find("an_http_server_that_restarts_or_is_down_is_handled_request_by_request")
+    else {
+        return;
+    };
+    for at_most_once in [false, true] {
+        let scratch = Scratch::new();
+        let server = HttpServer::start(&sdk, &scratch);
+        let port: u16 = server
+            .url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.trim_end_matches("/mcp").parse().ok())
+            .unwrap();
+        let mut extra = vec![];
+        if at_most_once {
+            extra.push("--at-most-once");
+        }
+        let mut proxy = Driver::spawn(&sdk, &scratch, &extra, server.upstream(), &[]);
+        proxy.initialize();
+        proxy.send_email_to(1, "run-a", "a@example.com");
+        assert!(proxy.response(1).get("result").is_some());
+
+        // The server restarts, forgetting the session: three calls at once are each
+        // answered once (one new session for them), and nothing else reaches the client.
+        drop(server);
+        let server = HttpServer::start_on(&sdk, &scratch, port);
+        for (id, to) in [(2, "b"), (3, "c"), (4, "d")] {
+            proxy.send_email_to(id, &format!("run-{to}"), &format!("{to}@example.com"));
+        }
+        let mut answered = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while answered.len() < 3 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let message = proxy.lines.recv_timeout(left).expect("every call answered");
+            if message.get("method").is_some() {
+                continue;
+            }
+            assert!(
+                [2, 3, 4].contains(&message["id"].as_u64().unwrap_or(0)),
+                "a stray answer: {message}"
+            );
+            assert!(message.get("result").is_some(), "{message}");
+            answered.push(message["id"].clone());
+        }
+        assert_eq!(scratch.lines("ledger"), 4);
+
+        // The server is down: a call is refused at once, as not run; when the server is
+        // back, its retry runs it, at most once too (never `outcome unknown`).
+        drop(server);
+        proxy.send_email_to(5, "run-e", "e@example.com");
+        let refused = proxy.response(5);
+        let message = refused["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("cannot reach the MCP server"), "{refused}");
+        let _server = HttpServer::start_on(&sdk, &scratch, port);
+        proxy.send_email_to(6, "run-e", "e@example.com");
+        let retry = proxy.response(6);
+        assert!(
+            retry.get("result").is_some(),
+            "at_most_once {at_most_once}: {retry}"
+        );
+        assert_eq!(lines_to(&scratch, "e@example.com"), 1);
+        proxy.kill();
+    }
+}
+
+#[test]
+fn an_http_proxy_whose_server_is_down_keeps_no_session() {
+    let Some(sdk) = Sdk::find("an_http_proxy_whose_server_is_down_keeps_no_session") else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let upstream = vec![
+        "--upstream".to_owned(),
+        format!("http://127.0.0.1:{port}/mcp"),
+    ];
+    let proxy = HttpProxy::start(&sdk, &scratch, upstream);
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                      "params": Driver::initialize_params()});
+    let (code, session, _) = http(&proxy.url, "POST", None, &init.to_string());
+    assert_eq!(code, 200, "a JSON-RPC error, in an HTTP answer");
+    assert_eq!(
+        session, None,
+        "no session for a server that did not start one"
+    );
+
+    // Once it is up, a new initialize starts a session, and a request in it is answered.
+    let _server = HttpServer::start_on(&sdk, &scratch, port);
+    let (code, session, _) = http(&proxy.url, "POST", None, &init.to_string());
+    assert_eq!(code, 200);
+    let session = session.expect("a session");
+    let ping = json!({"jsonrpc": "2.0", "id": 2, "method": "ping"});
+    let (code, _, _) = http(&proxy.url, "POST", Some(&session), &ping.to_string());
+    assert_eq!(code, 200);
 }

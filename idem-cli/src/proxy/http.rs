@@ -273,25 +273,43 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
     };
     let key = id.to_string();
     let (sender, answer) = oneshot::channel();
-    session
-        .sink
-        .waiting
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(key.clone(), sender);
+    {
+        let mut waiting = session
+            .sink
+            .waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if waiting.contains_key(&key) {
+            // Its answer could not be told from the other's.
+            let body = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32600,
+                "message": "a request with this id is already in flight in this session"}});
+            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+        }
+        waiting.insert(key.clone(), sender);
+    }
     let _waiting = Waiting {
         sink: &session.sink,
         key,
     };
     session.session.on_client_message(message);
-    let Ok(response) = answer.await else {
+    let Ok(answer) = answer.await else {
         return (StatusCode::BAD_GATEWAY, "the session ended").into_response();
     };
-    let mut response = Json(response).into_response();
-    if let Some(new_id) = new_id {
-        if let Ok(value) = new_id.parse() {
-            response.headers_mut().insert(SESSION_HEADER, value);
+    let failed = answer.get("error").is_some();
+    let mut response = Json(answer).into_response();
+    match new_id {
+        // The server did not start: no session, and nothing left running.
+        Some(new_id) if failed => {
+            if let Some(session) = proxy.lock().remove(&new_id) {
+                tokio::spawn(async move { session.close().await });
+            }
         }
+        Some(new_id) => {
+            if let Ok(value) = new_id.parse() {
+                response.headers_mut().insert(SESSION_HEADER, value);
+            }
+        }
+        None => {}
     }
     response
 }

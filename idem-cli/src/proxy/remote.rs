@@ -26,6 +26,9 @@ const VERSION_HEADER: &str = "mcp-protocol-version";
 #[derive(Default)]
 struct Remote {
     session: Option<HeaderValue>,
+    /// How many sessions the server has given: a request that met a 404 under one
+    /// knows whether another has been started since.
+    generation: u64,
     version: Option<HeaderValue>,
     /// Whether the `GET` stream of the server's own messages is open.
     listening: bool,
@@ -36,6 +39,8 @@ struct Connection {
     url: String,
     http: reqwest::Client,
     remote: Mutex<Remote>,
+    /// Held while a new upstream session is started: one at a time.
+    reinitializing: tokio::sync::Mutex<()>,
 }
 
 /// Connects `session` to the server at `url`, until `closing` turns true.
@@ -47,6 +52,7 @@ pub async fn connect(session: Arc<Session>, url: String, mut closing: watch::Rec
         url,
         http: reqwest::Client::new(),
         remote: Mutex::default(),
+        reinitializing: tokio::sync::Mutex::new(()),
     });
     loop {
         tokio::select! {
@@ -68,7 +74,8 @@ impl Connection {
         self.remote.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn headers(&self) -> HeaderMap {
+    /// The headers of a request; an `initialize` carries no session id.
+    fn headers(&self, initialize: bool) -> HeaderMap {
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert(
@@ -76,7 +83,7 @@ impl Connection {
             HeaderValue::from_static("application/json, text/event-stream"),
         );
         let remote = self.remote();
-        if let Some(session) = &remote.session {
+        if let (Some(session), false) = (&remote.session, initialize) {
             headers.insert(SESSION_HEADER, session.clone());
         }
         if let Some(version) = &remote.version {
@@ -86,7 +93,8 @@ impl Connection {
     }
 
     /// Sends one message and passes on what the server answers. `again`: a server
-    /// that forgot the session is given `initialize` again and the message once more.
+    /// that forgot the session is given `initialize` again (once, whoever meets the
+    /// 404 first) and the message sent once more.
     async fn post(self: &Arc<Self>, line: String, again: bool) {
         let message: Option<Value> = serde_json::from_str(&line).ok();
         let id = message
@@ -98,47 +106,63 @@ impl Connection {
             .as_ref()
             .and_then(|m| m.get("method"))
             .is_some_and(|m| m == "initialize");
+        let generation = self.remote().generation;
         let sent = self
             .http
             .post(&self.url)
-            .headers(self.headers())
+            .headers(self.headers(is_initialize))
             .body(line.clone())
             .send()
             .await;
         let response = match sent {
             Ok(response) => response,
-            Err(error) => return self.failed(id, &format!("cannot reach the MCP server: {error}")),
+            // Never sent: the request did not run.
+            Err(error) if error.is_connect() => {
+                let why = format!(
+                    "cannot reach the MCP server at {}: {error}; the request was not sent",
+                    self.url
+                );
+                return self.refused(id, &why);
+            }
+            Err(error) => {
+                let why = format!("the connection to the MCP server failed: {error}");
+                return self.failed(id, &why);
+            }
         };
         let status = response.status();
-        if status == StatusCode::NOT_FOUND
-            && again
-            && self.remote().session.is_some()
-            && !is_initialize
-        {
-            tracing::warn!("idem proxy: the MCP server forgot the session; initializing again");
-            if self.reinitialize().await {
+        if status == StatusCode::NOT_FOUND && again && !is_initialize {
+            if self.new_session_since(generation).await {
                 return Box::pin(self.post(line, false)).await;
             }
+            return self.refused(
+                id,
+                "the MCP server forgot the session and did not start a new one",
+            );
         }
         if is_initialize && status.is_success() {
             let mut remote = self.remote();
             remote.session = response.headers().get(SESSION_HEADER).cloned();
+            remote.generation += 1;
         }
         if status == StatusCode::ACCEPTED || (id.is_none() && status.is_success()) {
             return;
         }
         if !status.is_success() {
             let body = response.text().await.unwrap_or_default();
-            // A JSON-RPC error the server put in its answer is passed on as it is.
+            // The server's JSON-RPC error for this request is its answer, passed on.
             if let Ok(answer) = serde_json::from_str::<Value>(&body) {
-                if answer.get("error").is_some() && answer.get("id").is_some_and(|i| !i.is_null()) {
+                if answer.get("error").is_some() && id.is_some() && answer.get("id") == id.as_ref()
+                {
                     return self.session.on_upstream_message(answer);
                 }
             }
-            return self.failed(
-                id,
-                &format!("the MCP server answered HTTP {status}: {body}"),
-            );
+            let why = format!("the MCP server answered HTTP {status}: {body}");
+            // Refused (a 4xx, or 503: unavailable) before any work; anything else may
+            // have come after it.
+            if status.is_client_error() || status == StatusCode::SERVICE_UNAVAILABLE {
+                return self.refused(id, &why);
+            }
+            return self.failed(id, &why);
         }
         let answered = self.read(response).await;
         if is_initialize && answered {
@@ -150,6 +174,17 @@ impl Connection {
                 "the MCP server closed the connection before it answered",
             );
         }
+    }
+
+    /// After a 404 on a request sent under session `generation`: whether a new session
+    /// is there now, started by this request or by another that met the 404 first.
+    async fn new_session_since(self: &Arc<Self>, generation: u64) -> bool {
+        let _one_at_a_time = self.reinitializing.lock().await;
+        if self.remote().generation != generation {
+            return true;
+        }
+        tracing::warn!("idem proxy: the MCP server forgot the session; initializing again");
+        self.reinitialize().await
     }
 
     /// Passes on the messages of an answer (JSON, or server-sent events); whether it
@@ -211,7 +246,7 @@ impl Connection {
 
     /// The `GET` stream: the server's requests and notifications, while it lasts.
     async fn listen(self: Arc<Self>) {
-        let mut headers = self.headers();
+        let mut headers = self.headers(false);
         headers.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
         match self.http.get(&self.url).headers(headers).send().await {
             Ok(response) if response.status().is_success() => {
@@ -232,7 +267,6 @@ impl Connection {
         let Some(initialize) = self.session.initialize_request() else {
             return false;
         };
-        self.remote().session = None;
         let asked = self.session.ask_upstream_first(initialize);
         match tokio::time::timeout(Duration::from_secs(30), asked).await {
             Ok(Some(answer)) if answer.get("result").is_some() => {
@@ -245,10 +279,19 @@ impl Connection {
         }
     }
 
+    /// A request that may have reached the server, and whose answer is lost.
     fn failed(&self, id: Option<Value>, why: &str) {
         tracing::warn!(why, "idem proxy: a request to the MCP server failed");
         if let Some(id) = id {
             self.session.request_failed(&id, why);
+        }
+    }
+
+    /// A request the server never ran: not sent, or refused before any work.
+    fn refused(&self, id: Option<Value>, why: &str) {
+        tracing::warn!(why, "idem proxy: the MCP server did not take a request");
+        if let Some(id) = id {
+            self.session.request_refused(&id, why);
         }
     }
 
@@ -259,7 +302,10 @@ impl Connection {
         }
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
-            self.http.delete(&self.url).headers(self.headers()).send(),
+            self.http
+                .delete(&self.url)
+                .headers(self.headers(false))
+                .send(),
         )
         .await;
     }

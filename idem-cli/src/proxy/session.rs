@@ -227,6 +227,20 @@ impl Session {
         }
     }
 
+    /// A request the upstream never ran (it was not sent, or was refused before any
+    /// work): answered with an error. A protected call gets it as the server's answer,
+    /// so its claim is released whatever the delivery policy: a retry runs it.
+    pub fn request_refused(&self, id: &Value, why: &str) {
+        let key = id_key(id);
+        let waiter = self.state().own.remove(&key);
+        match waiter {
+            Some(waiter) => {
+                let _ = waiter.send(error_response(id, INTERNAL_ERROR, why));
+            }
+            None => self.request_failed(id, why),
+        }
+    }
+
     /// Sends `request` upstream under an id of the proxy's own; the response, or
     /// `None` if the upstream exited first.
     pub async fn ask_upstream(&self, request: Value) -> Option<Value> {
@@ -331,9 +345,10 @@ impl Session {
                 return error_response(
                     id,
                     INTERNAL_ERROR,
-                    "the MCP server exited during this call, which may or may not have taken \
-                     effect; idem proxy restarts it. An at-least-once tool runs again on retry; \
-                     an at-most-once tool answers the retry with `outcome unknown`",
+                    "the MCP server went away during this call (it exited, or the connection to \
+                     it failed), which may or may not have taken effect. An at-least-once tool \
+                     runs again on retry; an at-most-once tool answers the retry with `outcome \
+                     unknown`",
                 );
             }
         };
