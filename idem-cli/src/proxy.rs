@@ -238,12 +238,22 @@ fn on_client_line(session: &Arc<Session>, line: String) {
     }
 }
 
-/// Waits (up to an hour) for the client's requests in flight to be answered, and its
-/// protected calls to finish and record their results: a client that went away
-/// retries later, and gets them.
+/// Waits for the client's calls in flight to finish and record their results (up to an
+/// hour: a client that went away retries later, and gets them), and for its other
+/// requests to be answered (up to [`FORWARDED_GRACE`]: nothing is recorded of them, and
+/// a server that never answers one must not hold the proxy).
 async fn finish_calls(session: &Session) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
-    while session.requests_in_flight() > 0 && tokio::time::Instant::now() < deadline {
+    let start = tokio::time::Instant::now();
+    loop {
+        let waited = start.elapsed();
+        let calls = session.calls_in_flight() > 0 && waited < Duration::from_secs(3600);
+        let others = session.forwarded_in_flight() > 0 && waited < FORWARDED_GRACE;
+        if !calls && !others {
+            return;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// How long a closing session waits for the answers to requests other than calls.
+const FORWARDED_GRACE: Duration = Duration::from_secs(5);

@@ -187,23 +187,35 @@ struct HttpServer {
 
 impl HttpServer {
     fn start(sdk: &Sdk, scratch: &Scratch) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        HttpServer::start_on(sdk, scratch, port)
+        HttpServer::start_on(sdk, scratch, free_port())
     }
 
     /// On `port` (again, after it was killed).
     fn start_on(sdk: &Sdk, scratch: &Scratch, port: u16) -> Self {
+        HttpServer::spawn(sdk, scratch, "py_server.py", port, &[])
+    }
+
+    /// `tests/mcp_sdk/raw_server.py --http` in `mode`.
+    fn raw(sdk: &Sdk, scratch: &Scratch, mode: &str) -> Self {
+        HttpServer::spawn(
+            sdk,
+            scratch,
+            "raw_server.py",
+            free_port(),
+            &[("MODE", mode)],
+        )
+    }
+
+    fn spawn(sdk: &Sdk, scratch: &Scratch, file: &str, port: u16, env: &[(&str, &str)]) -> Self {
         let mut command = Command::new(&sdk.python);
         command
-            .arg(sdk.fixture("py_server.py"))
+            .arg(sdk.fixture(file))
             .args(["--http", &port.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         scratch.env(sdk, &mut command, 1000);
+        command.envs(env.iter().copied());
         let child = command.spawn().expect("the server starts");
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -227,6 +239,14 @@ impl Drop for HttpServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
 }
 
 /// An HTTP proxy in front of `server` on 127.0.0.1; killed on drop.
@@ -723,10 +743,18 @@ impl Driver {
 
     /// The response to request `id` (other messages skipped).
     fn response(&mut self, id: u64) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(60);
+        self.response_within(id, Duration::from_secs(60))
+    }
+
+    /// [`Driver::response`], in `limit`.
+    fn response_within(&mut self, id: u64, limit: Duration) -> Value {
+        let deadline = Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let message = self.lines.recv_timeout(left).expect("a response in time");
+            let message = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no response to {id} in {limit:?}"));
             if message["id"] == json!(id) {
                 return message;
             }
@@ -1266,10 +1294,7 @@ fn an_http_proxy_whose_server_is_down_keeps_no_session() {
         return;
     };
     let scratch = Scratch::new();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
+    let port = free_port();
     let upstream = vec![
         "--upstream".to_owned(),
         format!("http://127.0.0.1:{port}/mcp"),
@@ -1292,4 +1317,245 @@ fn an_http_proxy_whose_server_is_down_keeps_no_session() {
     let ping = json!({"jsonrpc": "2.0", "id": 2, "method": "ping"});
     let (code, _, _) = http(&proxy.url, "POST", Some(&session), &ping.to_string());
     assert_eq!(code, 200);
+}
+
+/// A `tools/call` of `raw_server.py`'s `send` under run `run`.
+fn send_call(id: u64, run: &str, arguments: Value) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+        "name": "send", "arguments": arguments, "_meta": {"idem/run": run}}})
+}
+
+#[test]
+fn an_answer_that_is_not_this_requests_leaves_no_call_waiting() {
+    let Some(sdk) = Sdk::find("an_answer_that_is_not_this_requests_leaves_no_call_waiting") else {
+        return;
+    };
+    for mode in ["wrong-id", "null-id"] {
+        for at_most_once in [false, true] {
+            let scratch = Scratch::new();
+            let server = HttpServer::raw(&sdk, &scratch, mode);
+            let extra: &[&str] = if at_most_once {
+                &["--at-most-once"]
+            } else {
+                &[]
+            };
+            let mut proxy = Driver::spawn(&sdk, &scratch, extra, server.upstream(), &[]);
+            proxy.initialize();
+            proxy.send(send_call(1, "run-odd", json!({"n": 1})));
+            let first = proxy.response_within(1, Duration::from_secs(20));
+            assert!(first.get("error").is_some(), "{mode}: {first}");
+            assert_eq!(scratch.lines("ledger"), 1);
+
+            // The answer was lost: the claim is settled by policy.
+            proxy.send(send_call(2, "run-odd", json!({"n": 1})));
+            let retry = proxy.response_within(2, Duration::from_secs(20));
+            let message = retry["error"]["message"].as_str().unwrap_or_default();
+            if at_most_once {
+                assert!(message.contains("outcome"), "{mode}: {retry}");
+                assert_eq!(scratch.lines("ledger"), 1, "{mode}: not run again");
+            } else {
+                assert_eq!(scratch.lines("ledger"), 2, "{mode}: run again: {retry}");
+            }
+            proxy.kill();
+        }
+    }
+}
+
+#[test]
+fn an_http_request_id_still_in_flight_after_its_client_hung_up_is_refused() {
+    let Some(sdk) =
+        Sdk::find("an_http_request_id_still_in_flight_after_its_client_hung_up_is_refused")
+    else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let proxy = HttpProxy::start(&sdk, &scratch, sdk.server("py"));
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                      "params": Driver::initialize_params()});
+    let (code, session, _) = http(&proxy.url, "POST", None, &init.to_string());
+    assert_eq!(code, 200);
+    let session = session.expect("a session id");
+    let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    http(&proxy.url, "POST", Some(&session), &initialized.to_string());
+
+    let call = |run: &str, to: &str| {
+        json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+            "name": "send_email", "arguments": {"to": to, "subject": "s", "body": "b"},
+            "_meta": {"idem/run": run}}})
+        .to_string()
+    };
+    // A POST whose client hangs up once the call has started: the call runs on.
+    let hung_up = {
+        let addr = proxy
+            .url
+            .trim_start_matches("http://")
+            .trim_end_matches("/mcp");
+        let mut connection = std::net::TcpStream::connect(addr).unwrap();
+        let body = call("run-a", "a@example.com");
+        write!(
+            connection,
+            "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Accept: application/json, text/event-stream\r\nMcp-Session-Id: {session}\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        connection
+    };
+    wait_for_lines(&scratch, "ledger", 1);
+    drop(hung_up);
+    std::thread::sleep(Duration::from_millis(100));
+
+    // Another call under that id, while the first runs: its answer would be the first's.
+    let (code, _, _) = http(
+        &proxy.url,
+        "POST",
+        Some(&session),
+        &call("run-b", "b@example.com"),
+    );
+    assert_eq!(code, 400, "an id in flight");
+    assert_eq!(lines_to(&scratch, "b@example.com"), 0);
+
+    // The first call's retry, under a new id, gets its result.
+    let retry = call("run-a", "a@example.com").replace("\"id\":7", "\"id\":8");
+    let answer = post_json(&proxy.url, &session, &retry);
+    assert!(replayed(&answer["result"]), "{answer}");
+    assert_eq!(lines_to(&scratch, "a@example.com"), 1);
+}
+
+/// A POST of `body` in `session`, on a connection closed after it: the JSON answer.
+fn post_json(url: &str, session: &str, body: &str) -> Value {
+    let addr = url.trim_start_matches("http://").trim_end_matches("/mcp");
+    let mut connection = std::net::TcpStream::connect(addr).expect("the proxy listens");
+    write!(
+        connection,
+        "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nMcp-Session-Id: {session}\r\n\
+         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    connection
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut connection, &mut text).expect("an answer");
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+#[test]
+fn an_http_session_that_never_started_leaves_no_server_running() {
+    let Some(sdk) = Sdk::find("an_http_session_that_never_started_leaves_no_server_running") else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let pids = scratch.path("pids");
+    let server = vec![
+        "env".to_owned(),
+        "INIT_DELAY_MS=2000".to_owned(),
+        format!("PIDS={}", pids.display()),
+        sdk.python.display().to_string(),
+        sdk.fixture("raw_server.py"),
+    ];
+    let proxy = HttpProxy::start(&sdk, &scratch, server);
+
+    // An initialize without an id is refused before any server starts.
+    let init = json!({"jsonrpc": "2.0", "method": "initialize",
+                      "params": Driver::initialize_params()});
+    let (code, session, _) = http(&proxy.url, "POST", None, &init.to_string());
+    assert_eq!((code, session), (400, None));
+
+    // A client that hangs up before the server answers its initialize: the server stops.
+    let addr = proxy
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches("/mcp");
+    let mut connection = std::net::TcpStream::connect(addr).unwrap();
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                      "params": Driver::initialize_params()})
+    .to_string();
+    write!(
+        connection,
+        "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pid = loop {
+        let written = std::fs::read_to_string(&pids).unwrap_or_default();
+        if let Some(pid) = written.lines().next() {
+            break pid.trim().to_owned();
+        }
+        assert!(Instant::now() < deadline, "the server never started");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    drop(connection);
+    let running = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| !stat.contains(") Z "))
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while running() {
+        assert!(
+            Instant::now() < deadline,
+            "the server of a session that never started still runs"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        std::fs::read_to_string(&pids)
+            .unwrap_or_default()
+            .lines()
+            .count(),
+        1,
+        "one server was started, and not restarted"
+    );
+}
+
+#[test]
+fn a_request_the_server_never_answers_holds_a_closing_proxy_only_briefly() {
+    let Some(sdk) =
+        Sdk::find("a_request_the_server_never_answers_holds_a_closing_proxy_only_briefly")
+    else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let mut proxy = Driver::raw(&sdk, &scratch, &[], &[]);
+    proxy.send(json!({"jsonrpc": "2.0", "id": 1, "method": "test/hang"}));
+    proxy.send(json!({"jsonrpc": "2.0", "id": 2, "method": "ping"}));
+    proxy.response(2);
+    let closed = Instant::now();
+    proxy.close();
+    proxy.wait_for_exit(Duration::from_secs(30));
+    assert!(
+        closed.elapsed() >= Duration::from_secs(4),
+        "it waited a little for the answer"
+    );
+}
+
+#[test]
+fn a_call_whose_arguments_are_not_an_object_is_refused() {
+    let Some(sdk) = Sdk::find("a_call_whose_arguments_are_not_an_object_is_refused") else {
+        return;
+    };
+    let scratch = Scratch::new();
+    let mut proxy = Driver::raw(&sdk, &scratch, &[], &[]);
+    for (id, arguments) in [(1, json!([1, 2])), (2, json!("x")), (3, json!(5))] {
+        proxy.send(send_call(id, "run-args", arguments));
+        let answer = proxy.response(id);
+        assert_eq!(answer["error"]["code"], json!(-32602), "{answer}");
+    }
+    assert_eq!(scratch.lines("ledger"), 0, "nothing ran");
+
+    // No arguments at all, and an empty object, are the same call.
+    proxy.send(send_call(4, "run-args", json!({})));
+    assert!(proxy.response(4).get("result").is_some());
+    let mut bare = send_call(5, "run-args", json!({}));
+    bare["params"].as_object_mut().unwrap().remove("arguments");
+    proxy.send(bare);
+    assert!(replayed(&proxy.response(5)["result"]));
+    assert_eq!(scratch.lines("ledger"), 1);
+    proxy.kill();
 }

@@ -6,6 +6,11 @@ Tools: `send` (appends a line to $LEDGER per run; read-only when RO=true) and `l
   input  answers `resultType: "input_required"` until the call carries `inputResponses`
   flip   its first call flips `send`'s readOnlyHint and sends notifications/tools/list_changed
   exit   the server exits at once, every time it starts
+  wrong-id / null-id  (with --http) answers a call under another id, or under `null`
+
+In every mode, `test/hang` is never answered. INIT_DELAY_MS delays the answer to
+`initialize`; PIDS names a file each server process appends its pid to. With `--http
+PORT` it serves one streamable HTTP endpoint (JSON answers) instead of stdio.
 """
 import json
 import os
@@ -55,10 +60,12 @@ def call(params):
 
 
 def handle(message):
+    """The response to a request, or None."""
     method, id = message.get("method"), message.get("id")
-    if id is None:
-        return
+    if id is None or method == "test/hang":
+        return None
     if method == "initialize":
+        time.sleep(int(os.environ.get("INIT_DELAY_MS", "0")) / 1000)
         result = {"protocolVersion": message["params"]["protocolVersion"],
                   "capabilities": {"tools": {"listChanged": True}},
                   "serverInfo": {"name": "raw", "version": "1"}}
@@ -69,12 +76,63 @@ def handle(message):
     elif method == "ping":
         result = {}
     else:
-        out({"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "no such method"}})
-        return
-    out({"jsonrpc": "2.0", "id": id, "result": result})
+        return {"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "no such method"}}
+    if method == "tools/call" and MODE == "wrong-id":
+        id = "not-yours"
+    if method == "tools/call" and MODE == "null-id":
+        return {"jsonrpc": "2.0", "id": None, "error": {"code": -32603, "message": "lost"}}
+    return {"jsonrpc": "2.0", "id": id, "result": result}
 
 
+def serve_stdio():
+    def answer(message):
+        response = handle(message)
+        if response is not None:
+            out(response)
+
+    for line in sys.stdin:
+        threading.Thread(target=answer, args=(json.loads(line),)).start()
+
+
+def serve_http(port):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            message = json.loads(body)
+            response = handle(message)
+            if response is None:
+                self.send_response(202)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            data = json.dumps(response).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if message.get("method") == "initialize":
+                self.send_header("Mcp-Session-Id", "raw-session")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.send_response(405)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+if os.environ.get("PIDS"):
+    with open(os.environ["PIDS"], "a") as pids:
+        pids.write(f"{os.getpid()}\n")
 if MODE == "exit":
     sys.exit(3)
-for line in sys.stdin:
-    threading.Thread(target=handle, args=(json.loads(line),)).start()
+if len(sys.argv) > 2 and sys.argv[1] == "--http":
+    serve_http(int(sys.argv[2]))
+else:
+    serve_stdio()

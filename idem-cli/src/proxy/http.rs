@@ -248,14 +248,22 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
     }
     let method = message.get("method").and_then(Value::as_str);
     let id = message.get("id").filter(|_| method.is_some()).cloned();
-    let (session, new_id) = match session_of(&proxy, &headers) {
+    let (session, mut starting) = match session_of(&proxy, &headers) {
         Err(response) => return response.into_response(),
         Ok(Some(session)) => {
             session.touch();
             (session, None)
         }
+        Ok(None) if method == Some("initialize") && id.is_none() => {
+            return bad_request("initialize is a request: it needs an id");
+        }
         Ok(None) if method == Some("initialize") => match start_session(&proxy).await {
-            Ok((id, session)) => (session, Some(id)),
+            Ok(session) => (
+                Arc::clone(&session),
+                Some(Starting {
+                    session: Some(session),
+                }),
+            ),
             Err(error) => {
                 tracing::warn!(%error, "idem proxy: cannot start the MCP server for a session");
                 let body = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": error}});
@@ -279,10 +287,11 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
             .waiting
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if waiting.contains_key(&key) {
-            // Its answer could not be told from the other's.
+        // Its answer could not be told from the other's (that one's POST may have gone
+        // away: its call runs on, and would answer this one).
+        if waiting.contains_key(&key) || session.session.in_flight(&id) {
             let body = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32600,
-                "message": "a request with this id is already in flight in this session"}});
+                "message": "a request with this id is still in flight in this session: send it under another id"}});
             return (StatusCode::BAD_REQUEST, Json(body)).into_response();
         }
         waiting.insert(key.clone(), sender);
@@ -297,24 +306,37 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
     };
     let failed = answer.get("error").is_some();
     let mut response = Json(answer).into_response();
-    match new_id {
-        // The server did not start: no session, and nothing left running.
-        Some(new_id) if failed => {
-            if let Some(session) = proxy.lock().remove(&new_id) {
-                tokio::spawn(async move { session.close().await });
-            }
-        }
-        Some(new_id) => {
+    // A session starts with its server's answer to `initialize`; a failed one (and one
+    // whose client went away first: see `Starting`) leaves nothing running.
+    if let Some(session) = starting.as_mut().and_then(|s| s.session.take()) {
+        if failed {
+            tokio::spawn(async move { session.close().await });
+        } else {
+            let new_id = session_id();
             if let Ok(value) = new_id.parse() {
                 response.headers_mut().insert(SESSION_HEADER, value);
             }
+            proxy.lock().insert(new_id, session);
         }
-        None => {}
     }
     response
 }
 
-async fn start_session(proxy: &Arc<Proxy>) -> Result<(String, Arc<HttpSession>), String> {
+/// A session whose `initialize` is not answered yet: it is not in the proxy's map, and
+/// if its POST goes away before the answer, its server is stopped.
+struct Starting {
+    session: Option<Arc<HttpSession>>,
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(session) = self.session.take() {
+            tokio::spawn(async move { session.close().await });
+        }
+    }
+}
+
+async fn start_session(proxy: &Arc<Proxy>) -> Result<Arc<HttpSession>, String> {
     let sink = Arc::new(HttpSink::default());
     let session = Session::new(
         proxy.policy.clone(),
@@ -322,15 +344,12 @@ async fn start_session(proxy: &Arc<Proxy>) -> Result<(String, Arc<HttpSession>),
         Arc::clone(&sink) as Arc<dyn ClientSink>,
     );
     let (closing, _supervisor) = start_upstream(&session, proxy.server.clone()).await?;
-    let id = session_id();
-    let http = Arc::new(HttpSession {
+    Ok(Arc::new(HttpSession {
         session,
         sink,
         closing,
         seen: Mutex::new(Instant::now()),
-    });
-    proxy.lock().insert(id.clone(), Arc::clone(&http));
-    Ok((id, http))
+    }))
 }
 
 fn session_id() -> String {

@@ -164,14 +164,14 @@ impl Connection {
             }
             return self.failed(id, &why);
         }
-        let answered = self.read(response).await;
+        let answered = self.read(response, id.as_ref()).await;
         if is_initialize && answered {
             self.initialized();
         }
         if !answered {
             self.failed(
                 id,
-                "the MCP server closed the connection before it answered",
+                "the MCP server's answer held no response to this request",
             );
         }
     }
@@ -188,8 +188,9 @@ impl Connection {
     }
 
     /// Passes on the messages of an answer (JSON, or server-sent events); whether it
-    /// held a response.
-    async fn read(self: &Arc<Self>, response: reqwest::Response) -> bool {
+    /// held the response to the request with id `id`. A response under another id (or
+    /// `null`) is not this request's answer: the request is still unanswered.
+    async fn read(self: &Arc<Self>, response: reqwest::Response, id: Option<&Value>) -> bool {
         let is_stream = response
             .headers()
             .get(CONTENT_TYPE)
@@ -197,7 +198,7 @@ impl Connection {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_stream {
             return match response.json::<Value>().await {
-                Ok(message) => self.pass_on(message),
+                Ok(message) => self.pass_on(message, id),
                 Err(_) => false,
             };
         }
@@ -210,17 +211,17 @@ impl Connection {
             };
             for data in events.push(&chunk) {
                 if let Ok(message) = serde_json::from_str::<Value>(&data) {
-                    answered |= self.pass_on(message);
+                    answered |= self.pass_on(message, id);
                 }
             }
         }
         answered
     }
 
-    /// Passes one message on to the session; whether it was a response.
-    fn pass_on(&self, message: Value) -> bool {
-        let is_response = message.get("method").is_none();
-        if is_response {
+    /// Passes one message on to the session; whether it was the response to `id`.
+    fn pass_on(&self, message: Value, id: Option<&Value>) -> bool {
+        let answers = message.get("method").is_none() && id.is_some() && message.get("id") == id;
+        if answers {
             if let Some(version) = message
                 .pointer("/result/protocolVersion")
                 .and_then(Value::as_str)
@@ -229,7 +230,7 @@ impl Connection {
             }
         }
         self.session.on_upstream_message(message);
-        is_response
+        answers
     }
 
     /// After `initialize`: `notifications/initialized` is the session's to send; the
@@ -250,7 +251,7 @@ impl Connection {
         headers.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
         match self.http.get(&self.url).headers(headers).send().await {
             Ok(response) if response.status().is_success() => {
-                self.read(response).await;
+                self.read(response, None).await;
             }
             Ok(response) => {
                 tracing::debug!(status = %response.status(), "idem proxy: the MCP server offers no stream of its own messages");

@@ -13,7 +13,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use idem_core::mcp::{is_outcome, read_only_hint, Answer, Plan, Policy, Protected, INTERNAL_ERROR};
+use idem_core::mcp::{
+    is_outcome, read_only_hint, Answer, Plan, Policy, Protected, INTERNAL_ERROR, INVALID_PARAMS,
+};
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
 
@@ -54,8 +56,9 @@ struct State {
     listing: HashSet<String>,
     /// Protected calls in flight, by the client's id; `true` once the client cancelled.
     protected: HashMap<String, bool>,
-    /// `tools/call` requests received and not answered yet (protected or not).
-    calls: usize,
+    /// `tools/call` requests received and not answered yet, protected or (until they
+    /// are forwarded) not, by id.
+    calls: HashSet<String>,
     /// Each tool's `readOnlyHint`, as the last list gave it.
     hints: HashMap<String, Option<bool>>,
     /// Whether `hints` holds a whole list (none asked since the last `list_changed`).
@@ -99,14 +102,21 @@ impl Session {
 
     /// How many `tools/call` requests are in flight: received, and not answered yet.
     pub fn calls_in_flight(&self) -> usize {
-        self.state().calls
+        self.state().calls.len()
     }
 
-    /// How many requests of the client are in flight: `tools/call` requests, and any
-    /// other the upstream has not answered.
-    pub fn requests_in_flight(&self) -> usize {
+    /// How many of the client's requests the upstream has not answered yet, other than
+    /// the calls of [`Session::calls_in_flight`].
+    pub fn forwarded_in_flight(&self) -> usize {
+        self.state().forwarded.len()
+    }
+
+    /// Whether a request of the client with this id is in flight: a second one could not
+    /// be told from it.
+    pub fn in_flight(&self, id: &Value) -> bool {
+        let key = id_key(id);
         let state = self.state();
-        state.calls + state.forwarded.len()
+        state.calls.contains(&key) || state.forwarded.contains_key(&key)
     }
 
     /// A message from the client.
@@ -117,7 +127,7 @@ impl Session {
             (Some("tools/call"), Some(id)) => {
                 // In flight from now: a client that closes stdin right after sending it
                 // still gets its answer.
-                self.state().calls += 1;
+                self.state().calls.insert(id_key(&id));
                 let session = Arc::clone(self);
                 tokio::spawn(async move { session.tools_call(id, message).await });
             }
@@ -288,7 +298,7 @@ impl Session {
             Plan::Forward => {
                 {
                     let mut state = self.state();
-                    state.calls -= 1;
+                    state.calls.remove(&key);
                     state.forwarded.insert(key, id.clone());
                     self.upstream.send(request);
                 }
@@ -299,7 +309,7 @@ impl Session {
         let response = self.protected_call(&id, request, protected).await;
         let cancelled = {
             let mut state = self.state();
-            state.calls -= 1;
+            state.calls.remove(&key);
             state.protected.remove(&key).unwrap_or(false)
         };
         if !cancelled {
@@ -314,10 +324,18 @@ impl Session {
         request: Value,
         protected: Protected,
     ) -> Value {
-        let arguments = request
-            .pointer("/params/arguments")
-            .and_then(Value::as_object)
-            .cloned();
+        let arguments = match request.pointer("/params/arguments") {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(arguments)) => Some(arguments.clone()),
+            // Keyed as no arguments, it would replay another call's result.
+            Some(_) => {
+                return error_response(
+                    id,
+                    INVALID_PARAMS,
+                    "a tools/call's `arguments` must be an object",
+                )
+            }
+        };
         let (lost, upstream_lost) = oneshot::channel::<()>();
         let session = Arc::clone(self);
         let call = protected.call(arguments.as_ref(), move || async move {

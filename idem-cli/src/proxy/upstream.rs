@@ -151,8 +151,7 @@ pub async fn supervise(
         let began = Instant::now();
         let status = run_child(&session, child, generation, &mut closing).await;
         session.upstream_exited();
-        let closed = *closing.borrow();
-        if closed {
+        if is_closing(&closing) {
             return;
         }
         tracing::warn!(?status, "idem proxy: the MCP server exited; restarting it");
@@ -278,5 +277,12 @@ async fn reinitialize(session: &Arc<Session>, initialize: Value) {
 /// Waits `delay`; whether the proxy is closing.
 async fn wait_or_close(closing: &mut watch::Receiver<bool>, delay: Duration) -> bool {
     let closed = tokio::time::timeout(delay, closing.wait_for(|closing| *closing)).await;
-    matches!(closed, Ok(Ok(_)))
+    // `Ok(Err(_))`: whoever could close it is gone, which closes it too.
+    closed.is_ok()
+}
+
+/// Whether the proxy is closing this upstream: it said so, or whoever could say so is
+/// gone (a session dropped while it started), which must not leave a server restarting.
+fn is_closing(closing: &watch::Receiver<bool>) -> bool {
+    *closing.borrow() || closing.has_changed().is_err()
 }
