@@ -74,7 +74,7 @@ pub use idem_core::sweeper;
 pub use idem_core::{
     current_key, default_store, default_store_dir, observe, observe_sync, set_default_store,
     CallOutcome, CallReport, Delivery, Error, Key, LocalCache, LostTo, MemoryStore, OnBusy,
-    OnCancel, Options, Reconciled, Run, Store, Tool,
+    OnCancel, Options, Reconciled, Run, Store, StoreErrorKind, Tool,
 };
 #[cfg(feature = "postgres")]
 pub use idem_core::{PostgresStore, PostgresStoreBuilder};

@@ -773,3 +773,37 @@ async fn foreign_values_odd_text_and_closed_outputs() {
     );
     assert!(!String::from_utf8_lossy(&output.stderr).contains("panicked"));
 }
+
+/// Exit codes come from the kind of the store's error, not from its message: a bad
+/// setting is usage (2), a table that does not exist is "not found" (3).
+#[test]
+fn a_bad_setting_or_a_missing_table_has_its_own_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = vec![
+        "--store".to_owned(),
+        format!("sqlite:{}", dir.path().join("idem.sqlite").display()),
+    ];
+    std::fs::write(dir.path().join("idem.sqlite"), b"").unwrap();
+    let (code, _, err) = run(&sqlite, &["--table", "no good", "ls"]);
+    assert_eq!(code, 2, "an invalid SQLite table name: {err}");
+    assert!(err.contains("invalid table name"), "{err}");
+
+    let (code, _, err) = run(&["--store".into(), "redis://[::1".into()], &["ls"]);
+    assert_eq!(code, 2, "a Redis URL that does not parse: {err}");
+
+    let Some(url) = env("IDEM_POSTGRES_URL") else {
+        return;
+    };
+    let postgres = vec!["--store".to_owned(), url.clone()];
+    let (code, _, err) = run(&postgres, &["--table", "no good", "ls"]);
+    assert_eq!(code, 2, "an invalid Postgres table name: {err}");
+    let (code, _, err) = run(
+        &["--store".into(), format!("{url}?no_such_option=1")],
+        &["ls"],
+    );
+    assert_eq!(code, 2, "a Postgres URL that does not parse: {err}");
+    let missing = unique("idem_missing");
+    let (code, _, err) = run(&postgres, &["--table", &missing, "ls"]);
+    assert_eq!(code, 3, "a table that does not exist: {err}");
+    assert!(err.contains("SQLSTATE 42P01"), "{err}");
+}

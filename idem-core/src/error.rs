@@ -286,6 +286,36 @@ impl Error {
         }
     }
 
+    /// Wraps a store's own error of a known [`StoreErrorKind`].
+    pub fn store_of_kind(
+        store: &'static str,
+        kind: StoreErrorKind,
+        source: impl Into<Box<dyn StdError + Send + Sync>>,
+    ) -> Self {
+        Error::store(
+            store,
+            Kinded {
+                kind,
+                source: source.into(),
+            },
+        )
+    }
+
+    /// What kind of failure an [`Error::Store`] is (`None` for any other error): a bad
+    /// setting, a store another process holds, a missing table, or
+    /// [`StoreErrorKind::Other`]. For a program that acts on the failure (an exit code,
+    /// a hint) without reading its message, which may be reworded.
+    pub fn store_kind(&self) -> Option<StoreErrorKind> {
+        let Error::Store { source, .. } = self else {
+            return None;
+        };
+        Some(
+            source
+                .downcast_ref::<Kinded>()
+                .map_or(StoreErrorKind::Other, |k| k.kind),
+        )
+    }
+
     /// The idempotency key the error is about, if it is about one key.
     pub fn key(&self) -> Option<&Key> {
         match self {
@@ -332,6 +362,42 @@ impl Error {
             Error::Unsupported { .. } => "unsupported",
             Error::Store { .. } => "store",
         }
+    }
+}
+
+/// What kind of failure an [`Error::Store`] is: see [`Error::store_kind`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// A setting the store was given is invalid (a table name, a connection URL):
+    /// nothing was opened, and retrying will not help.
+    Config,
+    /// Another process holds the store: a sled directory (one process at a time), or a
+    /// SQLite file whose write lock was held past the store's timeout.
+    HeldElsewhere,
+    /// The store's table does not exist (Postgres: SQLSTATE `42P01`): a store built
+    /// without `connect`, or pointed at another database or table.
+    TableMissing,
+    /// Anything else: the store is unreachable, an I/O error, a lost connection.
+    Other,
+}
+
+/// A store's error with its [`StoreErrorKind`]; reads as the error it wraps.
+#[derive(Debug)]
+struct Kinded {
+    kind: StoreErrorKind,
+    source: Box<dyn StdError + Send + Sync>,
+}
+
+impl fmt::Display for Kinded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.source, f)
+    }
+}
+
+impl StdError for Kinded {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source.source()
     }
 }
 
@@ -540,6 +606,20 @@ impl fmt::Display for Human {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_store_error_keeps_its_kind_and_reads_as_its_source() {
+        let io = std::io::Error::other("disk on fire");
+        let error = Error::store_of_kind("sled", StoreErrorKind::HeldElsewhere, io);
+        assert_eq!(error.store_kind(), Some(StoreErrorKind::HeldElsewhere));
+        assert_eq!(
+            error.to_string(),
+            "sled store failed: disk on fire; the operation was not run"
+        );
+        let plain = Error::store("sled", "gone");
+        assert_eq!(plain.store_kind(), Some(StoreErrorKind::Other));
+        assert_eq!(Error::NoStore.store_kind(), None);
+    }
 
     #[test]
     fn durations_read_as_people_write_them() {

@@ -63,7 +63,7 @@ pub mod input {
     pub use crate::key::{sorted, Sorted};
 }
 
-pub use error::{Error, LostTo};
+pub use error::{Error, LostTo, StoreErrorKind};
 pub use key_text::Key;
 pub use options::{Delivery, OnBusy, OnCancel, Options};
 pub use reconcile::Reconciled;

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use crate::error::Error;
 use crate::error::Fault;
+use crate::error::{Error, StoreErrorKind};
 use crate::record::Timestamp;
 use crate::store::{Claim, Fenced};
 
@@ -27,12 +27,14 @@ fn runtime_here(store: &'static str) -> Result<(), Error> {
 pub(crate) fn failure(
     store: &'static str,
     error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
-    describe: impl FnOnce(&(dyn std::error::Error + 'static), &mut String),
+    describe: impl FnOnce(&(dyn std::error::Error + 'static), &mut String) -> StoreErrorKind,
 ) -> Error {
     let error = error.into();
     let mut text = crate::error::chain(&*error);
-    describe(&*error, &mut text);
-    Error::store(store, Fault::new(text, error))
+    match describe(&*error, &mut text) {
+        StoreErrorKind::Other => Error::store(store, Fault::new(text, error)),
+        kind => Error::store_of_kind(store, kind, Fault::new(text, error)),
+    }
 }
 
 /// A fenced write's outcome from the number of records it changed: the one the caller

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::{NoTls, Row};
 
-use crate::error::Error;
+use crate::error::{Error, StoreErrorKind};
 use crate::key::Fingerprint;
 use crate::key_text::Key;
 use crate::record::{Meta, Origin, Record, State, Timestamp, Token};
@@ -193,10 +193,13 @@ impl PostgresStoreBuilder {
     /// create the table; call [`PostgresStore::migrate`].
     pub fn build(self) -> Result<PostgresStore, Error> {
         let table = quote_table(&self.table)?;
-        let mut config: tokio_postgres::Config = self
-            .url
-            .parse()
-            .map_err(|e| Error::store(STORE, format!("invalid connection URL: {e}")))?;
+        let mut config: tokio_postgres::Config = self.url.parse().map_err(|e| {
+            Error::store_of_kind(
+                STORE,
+                StoreErrorKind::Config,
+                format!("invalid connection URL: {e}"),
+            )
+        })?;
         config.connect_timeout(self.timeout);
         config.keepalives(true);
         config.keepalives_idle(Duration::from_secs(30));
@@ -252,8 +255,9 @@ fn quote_table(name: &str) -> Result<String, Error> {
             && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
     };
     if parts.len() > 2 || !parts.iter().all(valid) {
-        return Err(Error::store(
+        return Err(Error::store_of_kind(
             STORE,
+            StoreErrorKind::Config,
             format!("invalid table name `{name}`: use letters, digits and `_` (optionally `schema.table`)"),
         ));
     }
@@ -635,10 +639,16 @@ fn pg_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
         while let Some(level) = next {
             if let Some(db) = level.downcast_ref::<tokio_postgres::error::DbError>() {
                 text.push_str(&format!(" (SQLSTATE {})", db.code().code()));
-                return;
+                return match *db.code() {
+                    tokio_postgres::error::SqlState::UNDEFINED_TABLE => {
+                        StoreErrorKind::TableMissing
+                    }
+                    _ => StoreErrorKind::Other,
+                };
             }
             next = level.source();
         }
+        StoreErrorKind::Other
     })
 }
 

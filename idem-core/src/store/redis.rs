@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 
-use crate::error::Error;
+use crate::error::{Error, StoreErrorKind};
 use crate::key::Fingerprint;
 use crate::key_text::Key;
 use crate::record::{
@@ -263,7 +263,9 @@ impl RedisStoreBuilder {
                 "a RedisStore must be built inside a tokio runtime, which drives its connection",
             ));
         }
-        let client = redis::Client::open(self.url.as_str()).map_err(redis_error)?;
+        // Opening a client only reads its URL: a failure is a bad setting.
+        let client = redis::Client::open(self.url.as_str())
+            .map_err(|e| net::failure(STORE, e, |_, _| StoreErrorKind::Config))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout))
@@ -322,7 +324,7 @@ fn server_version(info: &str) -> Option<(u32, u32)> {
 /// A Redis failure with its whole cause (the server's reply, the connection's OS
 /// error); the original error stays its source.
 fn redis_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
-    net::failure(STORE, e, |_, _| {})
+    net::failure(STORE, e, |_, _| StoreErrorKind::Other)
 }
 
 impl RedisStore {

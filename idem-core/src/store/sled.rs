@@ -10,8 +10,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::blocking;
-use crate::error::Error;
 use crate::error::Fault;
+use crate::error::{Error, StoreErrorKind};
 use crate::key::Fingerprint;
 use crate::key_text::Key;
 use crate::record::{Record, Timestamp, Token};
@@ -103,8 +103,9 @@ fn closed_here_lately(path: &Path) -> bool {
 /// The error for a directory another process holds: sled takes one process per
 /// directory.
 fn held_elsewhere(path: &Path, source: std::io::Error) -> Error {
-    Error::store(
+    Error::store_of_kind(
         "sled",
+        StoreErrorKind::HeldElsewhere,
         Fault::new(
             format!(
                 "the sled store in {} is held by another process (a sled directory serves one \

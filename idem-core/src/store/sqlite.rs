@@ -10,7 +10,7 @@ use rusqlite::types::{ToSqlOutput, ValueRef};
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Row, TransactionBehavior};
 
 use crate::blocking;
-use crate::error::{Error, Fault};
+use crate::error::{Error, Fault, StoreErrorKind};
 use crate::key::Fingerprint;
 use crate::key_text::Key;
 use crate::record::{Meta, Origin, Record, State, Timestamp, Token};
@@ -215,8 +215,9 @@ fn is_busy(e: &rusqlite::Error) -> bool {
 
 /// The error for a write lock that stayed held past the store's timeout.
 fn held_too_long(path: &Path, timeout: Duration, source: rusqlite::Error) -> Error {
-    Error::store(
+    Error::store_of_kind(
         "sqlite",
+        StoreErrorKind::HeldElsewhere,
         Fault::new(
             format!(
                 "the write lock of {} stayed held by another connection until the store's \
@@ -299,8 +300,9 @@ impl SqliteStore {
             table,
         } = builder;
         if !is_identifier(&table) {
-            return Err(Error::store(
+            return Err(Error::store_of_kind(
                 "sqlite",
+                StoreErrorKind::Config,
                 format!(
                     "invalid table name `{table}`: use letters, digits and underscores, not \
                      starting with a digit"
