@@ -1,0 +1,296 @@
+//! The [`Store`] trait on the table: each operation one statement (a claim may read
+//! again after losing a race).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use super::decode::{decode_claim_read, decode_row, now_of, one_row};
+use super::sql::{CLAIM_COLUMN_COUNT, PURGE_BATCH};
+use super::{as_text, millis, pg_error, PostgresStore};
+use crate::error::Error;
+use crate::key_text::Key;
+use crate::record::{Record, Timestamp, Token};
+use crate::store::net::{fenced, in_local_clock};
+use crate::store::{
+    decide_claim, Claim, ClaimRequest, Counts, Cursor, Fenced, Filter, Listed, Outcome, Page,
+    Resolution, Store, Unreadable,
+};
+
+/// How many times a claim reads again after losing a race before giving up (each lost
+/// race means another caller made progress on the key).
+const CLAIM_ATTEMPTS: usize = 64;
+
+#[async_trait]
+impl Store for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let token = request.token.0.to_be_bytes();
+            // The record lives one TTL past the lease.
+            let (lease, ttl) = (
+                millis(request.lease),
+                millis(request.lease.saturating_add(request.ttl)),
+            );
+            let origin = &request.origin;
+            // `claim_fresh` takes the first nine, `claim` all eleven.
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 11] = [
+                &key.as_str(),
+                &request.fingerprint.as_bytes().as_slice(),
+                &token.as_slice(),
+                &lease,
+                &ttl,
+                &&*origin.run_id,
+                &origin.tenant.as_deref(),
+                &origin.call_id.as_deref(),
+                &&*origin.tool,
+                &request.take_over_expired,
+                &request.retry_failed,
+            ];
+            for _ in 0..CLAIM_ATTEMPTS {
+                // Each statement's future in a box of its own (see `client`).
+                let stmt = Box::pin(client.prepare_cached(&self.inner.sql.claim_fresh))
+                    .await
+                    .map_err(pg_error)?;
+                let row = Box::pin(client.query_one(&stmt, &params[..9]))
+                    .await
+                    .map_err(pg_error)?;
+                if row
+                    .try_get::<_, i64>(CLAIM_COLUMN_COUNT + 1)
+                    .map_err(pg_error)?
+                    == 1
+                {
+                    return Ok(Claim::Acquired { took_over: false });
+                }
+                let (Some(current), now) = decode_claim_read(key, &row)? else {
+                    // Not inserted, yet no row to see: another caller's claim committed
+                    // after this statement's snapshot was taken. Look again.
+                    continue;
+                };
+                let (claim, write) = decide_claim(Some(&current), request, now);
+                if write.is_none() {
+                    return Ok(in_local_clock(claim, now));
+                }
+                let stmt = Box::pin(client.prepare_cached(&self.inner.sql.claim))
+                    .await
+                    .map_err(pg_error)?;
+                let claimed = Box::pin(client.query_opt(&stmt, &params))
+                    .await
+                    .map_err(pg_error)?;
+                if claimed.is_some() {
+                    return Ok(claim);
+                }
+            }
+            Err(pg_error("claim kept losing write races; giving up"))
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        outcome: Outcome<'_>,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let (state, payload): (i16, &[u8]) = match outcome {
+            Outcome::Completed(b) => (1, b),
+            Outcome::Failed(b) => (2, b),
+        };
+        let token = token.0.to_be_bytes();
+        let sql = &self.inner.sql;
+        let n = self
+            .bounded(self.recorded(
+                (&sql.complete, &sql.complete_plain),
+                &[
+                    &key.as_str(),
+                    &token.as_slice(),
+                    &state,
+                    &payload,
+                    &millis(ttl),
+                    &as_text(payload),
+                ],
+            ))
+            .await?;
+        Ok(fenced(n))
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        let token = token.0.to_be_bytes();
+        let n = self
+            .bounded(self.modified(&self.inner.sql.release, &[&key.as_str(), &token.as_slice()]))
+            .await?;
+        Ok(fenced(n))
+    }
+
+    async fn renew(
+        &self,
+        key: &Key,
+        token: Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Fenced, Error> {
+        let token = token.0.to_be_bytes();
+        let n = self
+            .bounded(self.modified(
+                &self.inner.sql.renew,
+                &[
+                    &key.as_str(),
+                    &token.as_slice(),
+                    &millis(lease),
+                    &millis(lease.saturating_add(ttl)),
+                ],
+            ))
+            .await?;
+        Ok(fenced(n))
+    }
+
+    /// One statement per page, in key order from the cursor (the last key listed),
+    /// served by the primary key or the index of the filter's run or tool.
+    async fn list(
+        &self,
+        filter: &Filter,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page, Error> {
+        let (sql, mut params) = self.inner.sql.list(filter);
+        let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+        params.0[0] = Box::new(after.map(|c| c.0.clone()));
+        params.0[1] = Box::new(limit);
+        let rows = self.query(&sql, &params).await?;
+        let mut page = Page {
+            now: Timestamp::now(),
+            ..Page::default()
+        };
+        let mut last = None;
+        for row in &rows {
+            let key = Key::from_text(row.try_get::<_, String>(0).map_err(pg_error)?);
+            last = Some(key.as_str().to_owned());
+            page.now = now_of(row, 1)?;
+            match decode_row(&key, row, 1) {
+                Ok(Some(record)) => page.records.push(Listed { key, record }),
+                Ok(None) => {}
+                Err(error) => page.unreadable.push(Unreadable { key, error }),
+            }
+        }
+        if rows.len() as i64 == limit {
+            page.next = last.map(Cursor);
+        }
+        Ok(page)
+    }
+
+    async fn count(&self, filter: &Filter) -> Result<Counts, Error> {
+        let (sql, params) = self.inner.sql.count(filter);
+        let row = one_row(self.query(&sql, &params).await?)?;
+        let n = |i: usize| -> Result<u64, Error> {
+            Ok(row.try_get::<_, i64>(i).map_err(pg_error)?.max(0) as u64)
+        };
+        Ok(Counts {
+            running: n(0)?,
+            abandoned: n(1)?,
+            completed: n(2)?,
+            failed: n(3)?,
+            unreadable: 0,
+        })
+    }
+
+    /// Deletes in batches of 10,000 rows, each one statement within the store's
+    /// timeout, as a purge does.
+    async fn delete_matching(&self, filter: &Filter) -> Result<u64, Error> {
+        let (sql, params) = self.inner.sql.delete_matching(filter);
+        let mut removed = 0;
+        loop {
+            let row = one_row(self.query(&sql, &params).await?)?;
+            let batch: i64 = row.try_get(0).map_err(pg_error)?;
+            removed += batch.max(0) as u64;
+            if batch < PURGE_BATCH {
+                return Ok(removed);
+            }
+        }
+    }
+
+    async fn resolve(
+        &self,
+        key: &Key,
+        token: Token,
+        resolution: Resolution<'_>,
+    ) -> Result<Fenced, Error> {
+        let token = token.0.to_be_bytes();
+        let n = match resolution {
+            Resolution::Completed { result, ttl } => {
+                let sql = &self.inner.sql;
+                self.bounded(self.recorded(
+                    (&sql.resolve_completed, &sql.resolve_completed_plain),
+                    &[
+                        &key.as_str(),
+                        &token.as_slice(),
+                        &result,
+                        &millis(ttl),
+                        &as_text(result),
+                    ],
+                ))
+                .await?
+            }
+            Resolution::Released => {
+                self.bounded(self.modified(
+                    &self.inner.sql.resolve_released,
+                    &[&key.as_str(), &token.as_slice()],
+                ))
+                .await?
+            }
+        };
+        Ok(fenced(n))
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.bounded(async {
+            let client = self.client().await?;
+            let (record, now) = self.read(&client, key).await?;
+            Ok(record.filter(|r| !r.is_expired(now)))
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &Key) -> Result<bool, Error> {
+        let row = self
+            .bounded(self.row(&self.inner.sql.delete, &[&key.as_str()]))
+            .await?;
+        match row {
+            Some(row) => row.try_get::<_, bool>(0).map_err(pg_error),
+            None => Ok(false),
+        }
+    }
+
+    /// One statement: the row is judged and removed under its lock.
+    async fn delete_settled(&self, key: &Key) -> Result<bool, Error> {
+        let sql = &self.inner.sql.delete_settled;
+        let removed = self.bounded(self.modified(sql, &[&key.as_str()])).await?;
+        Ok(removed == 1)
+    }
+
+    /// Deletes expired rows in batches of 10,000 rows, each one statement within
+    /// the store's timeout (see the module docs). A purge that fails part-way keeps
+    /// what its earlier batches removed.
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        let (mut removed, mut from) = (0, 0i64);
+        loop {
+            let row = self
+                .bounded(self.row(&self.inner.sql.purge, &[&from, &PURGE_BATCH]))
+                .await?;
+            // An aggregate always returns its one row.
+            let Some(row) = row else {
+                return Ok(removed);
+            };
+            let batch: i64 = row.try_get(0).map_err(pg_error)?;
+            from = from.max(row.try_get(1).map_err(pg_error)?);
+            removed += batch.max(0) as u64;
+            if batch < PURGE_BATCH {
+                return Ok(removed);
+            }
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! The SQL text of every statement, made once per store for its table, and the
+//! conditions of a listing's filter.
+
+use crate::key_text::Key;
+use crate::store::{Filter, StateKind};
+
+/// The most rows one statement of a purge deletes: about 0.1 s of work.
+pub(super) const PURGE_BATCH: i64 = 10_000;
+
+/// The statements, with the table name filled in.
+pub(super) struct Sql {
+    pub(super) table: String,
+    pub(super) read: String,
+    pub(super) claim_fresh: String,
+    pub(super) claim: String,
+    pub(super) complete: String,
+    pub(super) complete_plain: String,
+    pub(super) renew: String,
+    pub(super) release: String,
+    pub(super) delete: String,
+    pub(super) delete_settled: String,
+    pub(super) purge: String,
+    pub(super) resolve_completed: String,
+    pub(super) resolve_completed_plain: String,
+    pub(super) resolve_released: String,
+}
+
+/// Milliseconds since the Unix epoch of a `timestamptz` expression; NULL stays NULL,
+/// and a time out of `int8`'s range (`infinity`, written by hand) is cut to its bounds.
+pub(super) fn ms(expr: &str) -> String {
+    format!(
+        "(CASE WHEN {expr} IS NULL THEN NULL \
+          ELSE least(greatest(extract(epoch from {expr}) * 1000, 0), {MAX_MS})::int8 END)"
+    )
+}
+
+/// The latest time `ms` gives: about 285,000 years from 1970.
+pub(super) const MAX_MS: i64 = 9_000_000_000_000_000;
+
+impl Sql {
+    pub(super) fn new(t: &str) -> Self {
+        // An outcome's write, with `result` set to `result` (its text through the
+        // function, or NULL when the server refuses that).
+        let complete = |result: &str| {
+            format!(
+                "UPDATE {t} SET state = $3, payload = $4, result = {result}, lease_until = NULL, \
+                 created_at = now(), completed_at = now(), \
+                 expires_at = now() + $5::int8 * interval '1 millisecond' \
+                 WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
+            )
+        };
+        let resolve_completed = |result: &str| {
+            format!(
+                "UPDATE {t} SET state = 1, payload = $3, result = {result}, lease_until = NULL, \
+                 created_at = now(), completed_at = now(), \
+                 expires_at = now() + $4::int8 * interval '1 millisecond' \
+                 WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
+            )
+        };
+        // The row under `$1` (all NULL if there is none) and the database time.
+        let read = format!("SELECT {}, {now}", columns(), now = ms("now()"));
+        let from = format!("FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1");
+        // A claim of `$1`: fingerprint, token, lease ms, ttl ms.
+        // The claim's origin: $6 run id, $7 tenant, $8 call id, $9 tool.
+        let insert = format!(
+            "INSERT INTO {t} AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at, \
+                 run_id, tenant, call_id, tool, claimed_at, attempts, takeovers) \
+             VALUES ($1, $2, 0, $3, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
+                     now() + $5::int8 * interval '1 millisecond', $6, $7, $8, $9, now(), 1, 0)"
+        );
+        // The same claim, inserted by a `SELECT` that a `WHERE` can make empty.
+        let insert_select = format!(
+            "INSERT INTO {t} AS r (key, fingerprint, state, token, lease_until, payload, created_at, expires_at, \
+                 run_id, tenant, call_id, tool, claimed_at, attempts, takeovers) \
+             SELECT $1::text, $2::bytea, 0, $3::bytea, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
+                    now() + $5::int8 * interval '1 millisecond', $6::text, $7::text, $8::text, $9::text, now(), 1, 0"
+        );
+        Sql {
+            read: format!("{read} {from}"),
+            // What the claim decides by (see `claim_columns`), not the whole row.
+            // The row is read first and the claim inserted only when the statement's
+            // snapshot sees none: a key with a row (a hit) then costs the server a read,
+            // not an insertion's conflict check on the primary key.
+            claim_fresh: format!(
+                "WITH found AS (SELECT {columns} FROM {t} AS r WHERE r.key = $1), \
+                 fresh AS ({insert_select} WHERE NOT EXISTS (SELECT 1 FROM found) \
+                     ON CONFLICT (key) DO NOTHING RETURNING 1) \
+                 SELECT found.*, {now}, (SELECT count(*) FROM fresh) \
+                 FROM (SELECT 1) AS one LEFT JOIN found ON true",
+                columns = claim_columns(),
+                now = ms("now()"),
+            ),
+            // An expired row starts a new history; a takeover or a retry goes on with
+            // the row's (a row of idem 0.1 has none: its times say when it was written).
+            claim: format!(
+                "{insert} \
+                 ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 0, \
+                     token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, payload = NULL, \
+                     result = NULL, created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at, \
+                     run_id = EXCLUDED.run_id, tenant = EXCLUDED.tenant, call_id = EXCLUDED.call_id, \
+                     tool = EXCLUDED.tool, completed_at = NULL, renewed_at = NULL, \
+                     claimed_at = CASE WHEN r.expires_at <= now() THEN now() \
+                         ELSE coalesce(r.claimed_at, r.created_at) END, \
+                     attempts = CASE WHEN r.expires_at <= now() THEN 1 ELSE r.attempts + 1 END, \
+                     takeovers = CASE WHEN r.expires_at <= now() THEN 0 \
+                         WHEN r.state = 0 THEN r.takeovers + 1 ELSE r.takeovers END \
+                 WHERE r.expires_at <= now() \
+                    OR (r.fingerprint = EXCLUDED.fingerprint AND ( \
+                           (r.state = 0 AND r.lease_until <= now() AND $10) \
+                        OR (r.state = 2 AND $11))) \
+                 RETURNING 1"
+            ),
+            // $6: the result as text for `result`, or NULL (see `as_text`).
+            complete: complete("$6::text::jsonb"),
+            complete_plain: complete("NULL"),
+            renew: format!(
+                "UPDATE {t} SET lease_until = now() + $3::int8 * interval '1 millisecond', \
+                 expires_at = now() + $4::int8 * interval '1 millisecond', renewed_at = now() \
+                 WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
+            ),
+            resolve_completed: resolve_completed("$5::text::jsonb"),
+            resolve_completed_plain: resolve_completed("NULL"),
+            resolve_released: format!(
+                "DELETE FROM {t} WHERE key = $1 AND {ABANDONED} AND token = $2 AND expires_at > now()"
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()"
+            ),
+            delete: format!("DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now()"),
+            delete_settled: format!(
+                "DELETE FROM {t} WHERE key = $1 AND expires_at > now() \
+                 AND NOT (state = 0 AND lease_until > now())"
+            ),
+            // `$1` in whole milliseconds, rounded down from the last batch's latest expiry.
+            purge: format!(
+                "WITH gone AS (DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                     SELECT ctid FROM {t} WHERE expires_at <= now() \
+                     AND expires_at >= to_timestamp($1::int8 / 1000.0) \
+                     ORDER BY expires_at LIMIT $2)) \
+                 AND expires_at <= now() RETURNING expires_at) \
+                 SELECT count(*), \
+                     coalesce(floor(extract(epoch from max(expires_at)) * 1000)::int8, 0) \
+                 FROM gone"
+            ),
+            table: t.to_owned(),
+        }
+    }
+
+    /// A listing's statement: the rows matching `filter` past the key `$1` (or from
+    /// the first, when NULL), in key order, at most `$2`.
+    pub(super) fn list(&self, filter: &Filter) -> (String, Params) {
+        let mut params = Params::default();
+        params.push(None::<String>);
+        params.push(0i64);
+        let conditions = conditions(filter, &mut params);
+        let sql = format!(
+            "SELECT r.key, {columns}, {now} FROM {t} AS r \
+             WHERE r.expires_at > now() AND ($1::text IS NULL OR r.key > $1) {conditions} \
+             ORDER BY r.key LIMIT $2",
+            columns = columns(),
+            now = ms("now()"),
+            t = self.table,
+        );
+        (sql, params)
+    }
+
+    /// The counts by state of the rows matching `filter`.
+    pub(super) fn count(&self, filter: &Filter) -> (String, Params) {
+        let mut params = Params::default();
+        let conditions = conditions(filter, &mut params);
+        let count = |kind| format!("count(*) FILTER (WHERE {})", state_condition(kind));
+        let sql = format!(
+            "SELECT {}, {}, {}, {} FROM {t} AS r WHERE r.expires_at > now() {conditions}",
+            count(StateKind::Running),
+            count(StateKind::Abandoned),
+            count(StateKind::Completed),
+            count(StateKind::Failed),
+            t = self.table,
+        );
+        (sql, params)
+    }
+
+    /// One batch of deleting the rows matching `filter`: at most `$1` of them.
+    pub(super) fn delete_matching(&self, filter: &Filter) -> (String, Params) {
+        let mut params = Params::default();
+        params.push(PURGE_BATCH);
+        let conditions = conditions(filter, &mut params);
+        let t = &self.table;
+        let sql = format!(
+            "WITH gone AS (DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+                 SELECT r.ctid FROM {t} AS r WHERE r.expires_at > now() {conditions} LIMIT $1)) \
+             RETURNING 1) SELECT count(*) FROM gone"
+        );
+        (sql, params)
+    }
+}
+
+/// The columns of a record, as `decode_row` reads them (a row of table `r`).
+pub(super) fn columns() -> String {
+    format!(
+        "r.fingerprint, r.state, r.token, {lease}, r.payload, {created}, {expires}, \
+         r.run_id, r.tenant, r.call_id, r.tool, {claimed}, {completed}, {renewed}, \
+         r.attempts, r.takeovers",
+        lease = ms("r.lease_until"),
+        created = ms("r.created_at"),
+        expires = ms("r.expires_at"),
+        claimed = ms("coalesce(r.claimed_at, r.created_at)"),
+        completed = ms("r.completed_at"),
+        renewed = ms("r.renewed_at"),
+    )
+}
+/// How many columns [`columns`] has: the database time follows them.
+pub(super) const COLUMN_COUNT: usize = 16;
+
+/// The columns a claim decides by (see `decide_claim`): the first five of [`columns`],
+/// then the expiry. The record's metadata and write time are for operators, never for
+/// decisions, and a hit does not read them.
+pub(super) fn claim_columns() -> String {
+    format!(
+        "r.fingerprint, r.state, r.token, {lease}, r.payload, {expires}",
+        lease = ms("r.lease_until"),
+        expires = ms("r.expires_at"),
+    )
+}
+/// How many columns [`claim_columns`] has: the database time follows them, then whether
+/// the statement inserted the claim.
+pub(super) const CLAIM_COLUMN_COUNT: usize = 6;
+
+/// An in-progress row whose lease has run out.
+pub(super) const ABANDONED: &str = "state = 0 AND lease_until <= now()";
+
+/// A statement's parameters, numbered in the order pushed.
+#[derive(Default)]
+pub(super) struct Params(pub(super) Vec<Box<dyn tokio_postgres::types::ToSql + Sync + Send>>);
+
+impl Params {
+    /// Adds a parameter; returns its placeholder (`$n`).
+    pub(super) fn push(
+        &mut self,
+        value: impl tokio_postgres::types::ToSql + Sync + Send + 'static,
+    ) -> String {
+        self.0.push(Box::new(value));
+        format!("${}", self.0.len())
+    }
+
+    pub(super) fn as_refs(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        self.0.iter().map(|p| &**p as _).collect()
+    }
+}
+
+/// The SQL condition of a state, on table `r`.
+pub(super) fn state_condition(kind: StateKind) -> &'static str {
+    match kind {
+        StateKind::Running => "r.state = 0 AND r.lease_until > now()",
+        StateKind::Abandoned => "r.state = 0 AND r.lease_until <= now()",
+        StateKind::Completed => "r.state = 1",
+        StateKind::Failed => "r.state = 2",
+    }
+}
+
+/// `filter` as ` AND ...` conditions on table `r`, with only the conditions it sets (so
+/// each shape of filter is its own statement, and its index serves it).
+pub(super) fn conditions(filter: &Filter, params: &mut Params) -> String {
+    let mut sql = String::new();
+    if let Some(run) = &filter.run_id {
+        sql += &format!(" AND r.run_id = {}", params.push(run.clone()));
+    }
+    if let Some(tenant) = &filter.tenant {
+        sql += &format!(" AND r.tenant = {}", params.push(tenant.clone()));
+    }
+    if let Some(tool) = &filter.tool {
+        // A row of idem 0.1 has no tool: its key's label names it.
+        let label = format!("{}.%", Key::label_of(tool).replace('_', "\\_"));
+        sql += &format!(
+            " AND (r.tool = {} OR (r.tool IS NULL AND r.key LIKE {}))",
+            params.push(tool.clone()),
+            params.push(label)
+        );
+    }
+    if let Some(state) = filter.state {
+        sql += &format!(" AND {}", state_condition(state));
+    }
+    if let Some(before) = filter.claimed_before {
+        let before = i64::try_from(before.as_millis()).unwrap_or(i64::MAX);
+        sql += &format!(
+            " AND coalesce(r.claimed_at, r.created_at) < to_timestamp({}::int8 / 1000.0)",
+            params.push(before)
+        );
+    }
+    sql
+}
