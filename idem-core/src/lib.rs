@@ -2,23 +2,8 @@
 //! idempotency protocol and the stores.
 //!
 //! Most users depend on the `idem` crate and write `#[idempotent]`; this crate is what
-//! the attribute calls, and what a custom store implements. Where to find things:
-//!
-//! | concept | where |
-//! |---|---|
-//! | key derivation, canonical input, fingerprint | `key.rs`, `canonical.rs` ([`Key`], [`store::Fingerprint`]) |
-//! | records and their encoding | `record.rs` ([`store::Record`]) |
-//! | the `Store` trait and the claim rule | [`store`] |
-//! | the protocol (claim → run → complete / release), compiled once | `protocol/` (private): `call.rs`, `claim.rs`, `finish.rs`, `settle.rs`, and `typed.rs`, the shim a tool's types meet it through |
-//! | idempotency without the attribute: the dynamic API | [`Tool`] (`tool.rs`) |
-//! | per-tool options (TTL, lease, waiting, delivery) | [`Options`] |
-//! | asking downstream what happened to an unknown outcome | `reconcile.rs` ([`Reconciled`]) |
-//! | the run context, `current_key`, the default store | [`Run`], [`current_key`], [`default_store`] |
-//! | a call's span, metrics and outcome ([`observe`]) | `telemetry.rs` ([`CallOutcome`], [`CallReport`]) |
-//! | the stores | [`MemoryStore`], [`SledStore`], `PostgresStore` (feature `postgres`), `RedisStore` (feature `redis`), `SqliteStore` (feature `sqlite`) |
-//! | replaying this process's results from memory, in front of a shared store | [`LocalCache`] |
-//! | removing expired records in the background | [`sweeper`] |
-//! | the store conformance suite (feature `testing`) | `testing` |
+//! the attribute calls, and what a custom store implements. `docs/layout.md` in the
+//! repository maps every file, and says which threads idem starts and when.
 //!
 //! # Logging
 //!
