@@ -78,7 +78,7 @@ const STORE: &str = "postgres";
 /// # Statements
 ///
 /// Every time comes from the **database clock** (`now()`), so workers with skewed
-/// clocks agree on leases and expiry, except [`Claim::Busy`]'s `lease_until`, which is
+/// clocks agree on leases and expiry, except [`Claim::Busy`](crate::store::Claim::Busy)'s `lease_until`, which is
 /// converted to this process's clock, the one a waiting call sleeps by.
 ///
 /// - **claim** is one statement in the common cases: it inserts a fresh claim if the
