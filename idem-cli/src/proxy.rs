@@ -70,6 +70,12 @@ pub struct ProxyArgs {
     /// Store tool results with `isError: true` too (by default the next call runs).
     #[arg(long)]
     pub store_tool_errors: bool,
+    /// The name this server's records are kept under, in every key (default: its
+    /// command line, or its URL): proxies in front of one server share records, and
+    /// two servers' tools of one name never do. Give proxies one name to share records
+    /// across different command lines.
+    #[arg(long, value_name = "NAME")]
+    pub scope: Option<String>,
     /// The MCP server to start, and its arguments.
     #[arg(
         last = true,
@@ -83,10 +89,14 @@ impl ProxyArgs {
     /// The rules these options give, with records in `store`.
     fn policy(&self, store: Arc<dyn Store>) -> Policy {
         let options = self.clone();
+        let scope = Value::String(self.server_name());
         let make = move |tool: Tool| {
             // The proxy drops a call whose server died under it: its claim is then
             // settled by the delivery policy (see `Session::protected_call`).
-            let mut tool = tool.ttl(options.ttl).on_cancel(OnCancel::Abort);
+            let mut tool = tool
+                .ttl(options.ttl)
+                .on_cancel(OnCancel::Abort)
+                .scope(scope.clone());
             if let Some(lease) = options.lease {
                 tool = tool.lease(lease);
             }
@@ -113,6 +123,15 @@ impl ProxyArgs {
             policy = policy.exempt(name.as_str());
         }
         policy.defaults(make)
+    }
+
+    /// The name of the server's records: `--scope`, else its URL or command line.
+    fn server_name(&self) -> String {
+        match (&self.scope, &self.upstream) {
+            (Some(scope), _) => scope.clone(),
+            (None, Some(url)) => url.clone(),
+            (None, None) => self.command.join(" "),
+        }
     }
 }
 

@@ -7,6 +7,8 @@ Tools: `send` (appends a line to $LEDGER per run; read-only when RO=true) and `l
   flip   its first call flips `send`'s readOnlyHint and sends notifications/tools/list_changed
   exit   the server exits at once, every time it starts
   wrong-id / null-id  (with --http) answers a call under another id, or under `null`
+  no-result  (with --http) answers a call with neither `result` nor `error`
+  accepted   (with --http) answers a call with an empty 202
 
 In every mode, `test/hang` is never answered. INIT_DELAY_MS delays the answer to
 `initialize`; PIDS names a file each server process appends its pid to. With `--http
@@ -79,6 +81,10 @@ def handle(message):
         return {"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "no such method"}}
     if method == "tools/call" and MODE == "wrong-id":
         id = "not-yours"
+    if method == "tools/call" and MODE == "no-result":
+        return {"jsonrpc": "2.0", "id": id}
+    if method == "tools/call" and MODE == "accepted":
+        return None
     if method == "tools/call" and MODE == "null-id":
         return {"jsonrpc": "2.0", "id": None, "error": {"code": -32603, "message": "lost"}}
     return {"jsonrpc": "2.0", "id": id, "result": result}

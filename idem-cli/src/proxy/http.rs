@@ -151,7 +151,10 @@ impl HttpSession {
 /// waits for it; anything else to the open `GET` stream (or held until one opens).
 #[derive(Default)]
 struct HttpSink {
-    waiting: Mutex<HashMap<String, oneshot::Sender<Value>>>,
+    /// By request id: the POST that waits (its number, and where its answer goes).
+    waiting: Mutex<HashMap<String, (u64, oneshot::Sender<Value>)>>,
+    /// Numbers the POSTs that wait, so each takes out only its own entry.
+    posts: std::sync::atomic::AtomicU64,
     stream: Mutex<Stream>,
 }
 
@@ -180,7 +183,7 @@ impl ClientSink for HttpSink {
                 .remove(&key);
             // A response nobody waits for (its client hung up) is dropped: the call's
             // result is recorded, and the retry gets it.
-            if let Some(waiter) = waiter {
+            if let Some((_, waiter)) = waiter {
                 let _ = waiter.send(message);
             }
             return;
@@ -199,19 +202,23 @@ impl ClientSink for HttpSink {
     }
 }
 
-/// Takes a POST's waiter out again if the POST goes away before its answer.
+/// Takes a POST's waiter out again if the POST goes away before its answer (and only
+/// its own: once answered, another POST may wait under the same id).
 struct Waiting<'a> {
     sink: &'a HttpSink,
     key: String,
+    post: u64,
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.sink
-            .waiting
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.key);
+        let mut waiting = self.sink.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        if waiting
+            .get(&self.key)
+            .is_some_and(|(post, _)| *post == self.post)
+        {
+            waiting.remove(&self.key);
+        }
     }
 }
 
@@ -248,6 +255,9 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
     }
     let method = message.get("method").and_then(Value::as_str);
     let id = message.get("id").filter(|_| method.is_some()).cloned();
+    if id.as_ref().is_some_and(Value::is_null) {
+        return bad_request("a request's id may not be null");
+    }
     let (session, mut starting) = match session_of(&proxy, &headers) {
         Err(response) => return response.into_response(),
         Ok(Some(session)) => {
@@ -280,6 +290,10 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
         return StatusCode::ACCEPTED.into_response();
     };
     let key = id.to_string();
+    let post = session
+        .sink
+        .posts
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (sender, answer) = oneshot::channel();
     {
         let mut waiting = session
@@ -294,11 +308,12 @@ async fn post_mcp(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: Str
                 "message": "a request with this id is still in flight in this session: send it under another id"}});
             return (StatusCode::BAD_REQUEST, Json(body)).into_response();
         }
-        waiting.insert(key.clone(), sender);
+        waiting.insert(key.clone(), (post, sender));
     }
     let _waiting = Waiting {
         sink: &session.sink,
         key,
+        post,
     };
     session.session.on_client_message(message);
     let Ok(answer) = answer.await else {

@@ -144,11 +144,24 @@ impl Connection {
             remote.session = response.headers().get(SESSION_HEADER).cloned();
             remote.generation += 1;
         }
-        if status == StatusCode::ACCEPTED || (id.is_none() && status.is_success()) {
+        if id.is_none() && status.is_success() {
             return;
         }
+        if status == StatusCode::ACCEPTED {
+            // A request's answer is JSON or a stream: an empty 202 holds none, and what
+            // the server did with the request is unknown.
+            return self.failed(id, "the MCP server accepted the request but sent no answer");
+        }
         if !status.is_success() {
-            let body = response.text().await.unwrap_or_default();
+            let body = if is_stream(&response) {
+                // A stream may still hold the server's JSON-RPC error for this request.
+                if self.read(response, id.as_ref()).await {
+                    return;
+                }
+                "(a stream with no answer to this request)".to_owned()
+            } else {
+                response.text().await.unwrap_or_default()
+            };
             // The server's JSON-RPC error for this request is its answer, passed on.
             if let Ok(answer) = serde_json::from_str::<Value>(&body) {
                 if answer.get("error").is_some() && id.is_some() && answer.get("id") == id.as_ref()
@@ -191,12 +204,7 @@ impl Connection {
     /// held the response to the request with id `id`. A response under another id (or
     /// `null`) is not this request's answer: the request is still unanswered.
     async fn read(self: &Arc<Self>, response: reqwest::Response, id: Option<&Value>) -> bool {
-        let is_stream = response
-            .headers()
-            .get(CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        if !is_stream {
+        if !is_stream(&response) {
             return match response.json::<Value>().await {
                 Ok(message) => self.pass_on(message, id),
                 Err(_) => false,
@@ -218,9 +226,20 @@ impl Connection {
         answered
     }
 
-    /// Passes one message on to the session; whether it was the response to `id`.
+    /// Passes one message on to the session; whether it was the response to `id` (any
+    /// other response is dropped).
     fn pass_on(&self, message: Value, id: Option<&Value>) -> bool {
-        let answers = message.get("method").is_none() && id.is_some() && message.get("id") == id;
+        let is_response = message.get("method").is_none();
+        let answers = is_response
+            && (message.get("result").is_some() || message.get("error").is_some())
+            && id.is_some()
+            && message.get("id") == id;
+        if is_response && !answers {
+            // Not this request's answer: passed on, it could answer another request of
+            // the client's under that id.
+            tracing::warn!(%message, "idem proxy: the MCP server answered a request with a response that is not its own; dropped");
+            return false;
+        }
         if answers {
             if let Some(version) = message
                 .pointer("/result/protocolVersion")
@@ -310,6 +329,15 @@ impl Connection {
         )
         .await;
     }
+}
+
+/// Whether an answer is a stream of server-sent events.
+fn is_stream(response: &reqwest::Response) -> bool {
+    response
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
 /// Server-sent events, parsed as their bytes arrive: the `data` of each event.

@@ -16,6 +16,9 @@ use std::sync::{Arc, Mutex};
 use idem_core::mcp::{
     is_outcome, read_only_hint, Answer, Plan, Policy, Protected, INTERNAL_ERROR, INVALID_PARAMS,
 };
+
+/// JSON-RPC's code for a request that is not a valid one.
+const INVALID_REQUEST: i64 = -32600;
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
 
@@ -52,6 +55,10 @@ struct State {
     /// Client requests forwarded upstream and not answered yet, by id: answered with
     /// an error if the upstream exits first.
     forwarded: HashMap<String, Value>,
+    /// Forwarded requests whose answer is on its way to the client: still in flight
+    /// for [`Session::in_flight`] until it got there, and no longer the upstream's to
+    /// answer.
+    answering: HashSet<String>,
     /// Which of those are `tools/list`, whose result gains the hints.
     listing: HashSet<String>,
     /// Protected calls in flight, by the client's id; `true` once the client cancelled.
@@ -116,13 +123,26 @@ impl Session {
     pub fn in_flight(&self, id: &Value) -> bool {
         let key = id_key(id);
         let state = self.state();
-        state.calls.contains(&key) || state.forwarded.contains_key(&key)
+        state.calls.contains(&key)
+            || state.forwarded.contains_key(&key)
+            || state.answering.contains(&key)
     }
 
     /// A message from the client.
     pub fn on_client_message(self: &Arc<Self>, message: Value) {
         let method = message.get("method").and_then(Value::as_str);
         let id = message.get("id").filter(|_| method.is_some()).cloned();
+        if let Some(id) = id.as_ref().filter(|id| self.in_flight(id)) {
+            // Its answer could not be told from the other's, and the other's call would
+            // no longer count as in flight once either is answered.
+            tracing::warn!(%id, "idem proxy: a request reuses the id of one in flight; refused");
+            self.client.send(error_response(
+                id,
+                INVALID_REQUEST,
+                "a request with this id is still in flight: send it under another id",
+            ));
+            return;
+        }
         match (method, id) {
             (Some("tools/call"), Some(id)) => {
                 // In flight from now: a client that closes stdin right after sending it
@@ -165,8 +185,13 @@ impl Session {
 
     /// A message from the upstream.
     pub fn on_upstream_message(&self, mut message: Value) {
-        let is_response = message.get("method").is_none()
+        let is_request_or_notification = message.get("method").is_some();
+        let is_response = !is_request_or_notification
             && (message.get("result").is_some() || message.get("error").is_some());
+        if !is_request_or_notification && !is_response {
+            tracing::warn!(%message, "idem proxy: the MCP server sent a message that is neither a request, a notification nor a response; dropped");
+            return;
+        }
         if is_response {
             let key = message.get("id").map(id_key).unwrap_or_default();
             let mut state = self.state();
@@ -174,7 +199,10 @@ impl Session {
                 let _ = waiter.send(message);
                 return;
             }
-            state.forwarded.remove(&key);
+            let answering = state.forwarded.remove(&key).is_some();
+            if answering {
+                state.answering.insert(key.clone());
+            }
             if state.listing.remove(&key) {
                 if let Some(tools) = message
                     .pointer_mut("/result/tools")
@@ -192,7 +220,11 @@ impl Session {
             state.listed = false;
             state.hints.clear();
         }
+        let answered = is_response.then(|| message.get("id").map(id_key).unwrap_or_default());
         self.client.send(message);
+        if let Some(key) = answered {
+            self.state().answering.remove(&key);
+        }
     }
 
     /// The upstream exited: requests it did not answer get an error (protected calls
@@ -200,7 +232,7 @@ impl Session {
     /// reaches the next upstream. A request is registered and sent under one lock, and
     /// this runs under it too: each request is either answered here and dropped with
     /// the old link, or registered after, and sent to the next upstream.
-    pub fn upstream_exited(&self) {
+    pub fn upstream_exited(&self, closing: bool) {
         let forwarded: Vec<Value> = {
             let mut state = self.state();
             self.upstream.reset();
@@ -209,12 +241,16 @@ impl Session {
             state.listed = false;
             state.forwarded.drain().map(|(_, id)| id).collect()
         };
+        let why = match closing {
+            true => {
+                "the MCP server was stopped (the proxy is closing) before it answered this request"
+            }
+            false => {
+                "the MCP server exited before it answered this request; idem proxy restarts it"
+            }
+        };
         for id in forwarded {
-            self.client.send(error_response(
-                &id,
-                INTERNAL_ERROR,
-                "the MCP server exited before it answered this request; idem proxy restarts it",
-            ));
+            self.client.send(error_response(&id, INTERNAL_ERROR, why));
         }
     }
 
@@ -286,8 +322,18 @@ impl Session {
         let name = params
             .and_then(|p| p.get("name"))
             .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
+            .filter(|name| !name.is_empty())
+            .map(str::to_owned);
+        let Some(name) = name else {
+            // Keyed as no name, distinct calls would share a key.
+            self.client.send(error_response(
+                &id,
+                INVALID_PARAMS,
+                "a tools/call needs the tool's name, a non-empty string",
+            ));
+            self.state().calls.remove(&id_key(&id));
+            return;
+        };
         let meta = params
             .and_then(|p| p.get("_meta"))
             .and_then(Value::as_object);
@@ -307,14 +353,13 @@ impl Session {
         };
         self.state().protected.insert(key.clone(), false);
         let response = self.protected_call(&id, request, protected).await;
-        let cancelled = {
-            let mut state = self.state();
-            state.calls.remove(&key);
-            state.protected.remove(&key).unwrap_or(false)
-        };
+        let cancelled = self.state().protected.remove(&key).unwrap_or(false);
         if !cancelled {
             self.client.send(response);
         }
+        // In flight until its answer reached the client: a request under its id meanwhile
+        // is refused, never given this answer.
+        self.state().calls.remove(&key);
     }
 
     /// Runs a protected call; the response for the client.

@@ -150,8 +150,9 @@ pub async fn supervise(
         };
         let began = Instant::now();
         let status = run_child(&session, child, generation, &mut closing).await;
-        session.upstream_exited();
-        if is_closing(&closing) {
+        let closed = is_closing(&closing);
+        session.upstream_exited(closed);
+        if closed {
             return;
         }
         tracing::warn!(?status, "idem proxy: the MCP server exited; restarting it");
