@@ -1126,14 +1126,15 @@ fn a_server_that_keeps_exiting_gets_requests_answered_not_stalled() {
     proxy.wait_for_exit(Duration::from_secs(15));
 }
 
-/// One HTTP/1.1 request to `url` (`http://ADDR/mcp`) on a connection of its own: the
-/// status code, the `Mcp-Session-Id` header, and the connection (to read the body).
-fn http(
+/// Sends one HTTP/1.1 request to `url` (`http://ADDR/mcp`) on a connection of its own
+/// (closed after its answer if `close`), without reading the answer.
+fn send_http(
     url: &str,
     method: &str,
     session: Option<&str>,
+    close: bool,
     body: &str,
-) -> (u16, Option<String>, std::net::TcpStream) {
+) -> std::net::TcpStream {
     let addr = url.trim_start_matches("http://").trim_end_matches("/mcp");
     let mut connection = std::net::TcpStream::connect(addr).expect("the proxy listens");
     let mut head = format!(
@@ -1144,9 +1145,24 @@ fn http(
     if let Some(session) = session {
         head.push_str(&format!("Mcp-Session-Id: {session}\r\n"));
     }
+    if close {
+        head.push_str("Connection: close\r\n");
+    }
     head.push_str("\r\n");
     connection.write_all(head.as_bytes()).unwrap();
     connection.write_all(body.as_bytes()).unwrap();
+    connection
+}
+
+/// One HTTP/1.1 request to `url` (`http://ADDR/mcp`) on a connection of its own: the
+/// status code, the `Mcp-Session-Id` header, and the connection (to read the body).
+fn http(
+    url: &str,
+    method: &str,
+    session: Option<&str>,
+    body: &str,
+) -> (u16, Option<String>, std::net::TcpStream) {
+    let connection = send_http(url, method, session, false, body);
     connection
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
@@ -1405,23 +1421,13 @@ fn an_http_request_id_still_in_flight_after_its_client_hung_up_is_refused() {
         .to_string()
     };
     // A POST whose client hangs up once the call has started: the call runs on.
-    let hung_up = {
-        let addr = proxy
-            .url
-            .trim_start_matches("http://")
-            .trim_end_matches("/mcp");
-        let mut connection = std::net::TcpStream::connect(addr).unwrap();
-        let body = call("run-a", "a@example.com");
-        write!(
-            connection,
-            "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-             Accept: application/json, text/event-stream\r\nMcp-Session-Id: {session}\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        connection
-    };
+    let hung_up = send_http(
+        &proxy.url,
+        "POST",
+        Some(&session),
+        false,
+        &call("run-a", "a@example.com"),
+    );
     wait_for_lines(&scratch, "ledger", 1);
     drop(hung_up);
     std::thread::sleep(Duration::from_millis(100));
@@ -1445,16 +1451,7 @@ fn an_http_request_id_still_in_flight_after_its_client_hung_up_is_refused() {
 
 /// A POST of `body` in `session`, on a connection closed after it: the JSON answer.
 fn post_json(url: &str, session: &str, body: &str) -> Value {
-    let addr = url.trim_start_matches("http://").trim_end_matches("/mcp");
-    let mut connection = std::net::TcpStream::connect(addr).expect("the proxy listens");
-    write!(
-        connection,
-        "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Accept: application/json, text/event-stream\r\nMcp-Session-Id: {session}\r\n\
-         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+    let mut connection = send_http(url, "POST", Some(session), true, body);
     connection
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
@@ -1487,21 +1484,9 @@ fn an_http_session_that_never_started_leaves_no_server_running() {
     assert_eq!((code, session), (400, None));
 
     // A client that hangs up before the server answers its initialize: the server stops.
-    let addr = proxy
-        .url
-        .trim_start_matches("http://")
-        .trim_end_matches("/mcp");
-    let mut connection = std::net::TcpStream::connect(addr).unwrap();
     let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
-                      "params": Driver::initialize_params()})
-    .to_string();
-    write!(
-        connection,
-        "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Accept: application/json, text/event-stream\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+                      "params": Driver::initialize_params()});
+    let connection = send_http(&proxy.url, "POST", None, false, &body.to_string());
     let deadline = Instant::now() + Duration::from_secs(30);
     let pid = loop {
         let written = std::fs::read_to_string(&pids).unwrap_or_default();

@@ -50,7 +50,13 @@ pub async fn connect(session: Arc<Session>, url: String, mut closing: watch::Rec
     let connection = Arc::new(Connection {
         session,
         url,
-        http: reqwest::Client::new(),
+        // A fresh connection for each request: one reused after the server went away
+        // fails after the request was written, which reads as "may have run"; a fresh
+        // one to a server that is down is refused at connect, which reads as "not run".
+        http: reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap_or_default(),
         remote: Mutex::default(),
         reinitializing: tokio::sync::Mutex::new(()),
     });
