@@ -16,13 +16,13 @@ use std::sync::{Arc, Mutex};
 use idem_core::mcp::{
     is_outcome, read_only_hint, Answer, Plan, Policy, Protected, INTERNAL_ERROR, INVALID_PARAMS,
 };
-
-/// JSON-RPC's code for a request that is not a valid one.
-const INVALID_REQUEST: i64 = -32600;
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
 
 use super::upstream::Upstream;
+
+/// JSON-RPC's code for a request that is not a valid one.
+const INVALID_REQUEST: i64 = -32600;
 
 /// Where messages for the client go: stdout, or an HTTP session's responses and stream.
 pub trait ClientSink: Send + Sync + 'static {
