@@ -30,7 +30,7 @@ pub async fn open(cli: &Cli) -> Result<Arc<dyn Store>, Failure> {
         if let Some(prefix) = &cli.prefix {
             builder = builder.prefix(prefix);
         }
-        return Ok(Arc::new(builder.connect().await.map_err(Failure::from)?));
+        return Ok(Arc::new(builder.connect().await?));
     }
     if let Some(path) = spec.strip_prefix("sqlite:") {
         if !std::path::Path::new(path).is_file() {
