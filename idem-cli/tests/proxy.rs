@@ -1405,7 +1405,11 @@ fn an_http_request_id_still_in_flight_after_its_client_hung_up_is_refused() {
         return;
     };
     let scratch = Scratch::new();
-    let proxy = HttpProxy::start(&sdk, &scratch, sdk.server("py"));
+    // The call runs 4 s after its email: time enough, on a busy machine, for the second
+    // POST to arrive while it is in flight.
+    let mut server = vec!["env".to_owned(), "LATENCY_MS=4000".to_owned()];
+    server.extend(sdk.server("py"));
+    let proxy = HttpProxy::start(&sdk, &scratch, server);
     let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
                       "params": Driver::initialize_params()});
     let (code, session, _) = http(&proxy.url, "POST", None, &init.to_string());
@@ -1604,7 +1608,9 @@ fn a_stdio_request_under_an_id_in_flight_is_refused() {
         return;
     };
     let scratch = Scratch::new();
-    let mut proxy = Driver::start(&sdk, &scratch, &[], 1500);
+    // The first call holds its id for 4 s after its email: time enough, on a busy
+    // machine, for the second to arrive while it is in flight.
+    let mut proxy = Driver::start(&sdk, &scratch, &[], 4000);
     proxy.send_email_to(1, "run-dup-a", "a@example.com");
     wait_for_lines(&scratch, "ledger", 1);
     proxy.send_email_to(1, "run-dup-b", "b@example.com");
