@@ -18,9 +18,6 @@
 //!   while the claim is there), and a hit answered by a `LocalCache` in front of the
 //!   store.
 
-#[path = "../examples/support/scenario.rs"]
-mod scenario;
-
 use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -29,7 +26,7 @@ use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
 use idem::{MemoryStore, Run, SledStore};
-use scenario::{email, floor_key, message_id, send_email, MessageId, BODY};
+use idem_testkit::scenario::{self, email, floor_key, message_id, send_email, MessageId, BODY};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -56,6 +53,8 @@ fn per_iter<F: std::future::Future>(
 
 fn key_derivation(c: &mut Criterion) {
     let run = Run::new("bench").with_store(MemoryStore::new());
+    // The key of a call as the attribute derives it, through the public API.
+    let tool = idem::Tool::new("send_email");
     let mut group = c.benchmark_group("key_derivation");
     for (label, size) in [("100B", 0usize), ("10KiB", 10 << 10), ("1MiB", 1 << 20)] {
         let input = email(0, size);
@@ -65,16 +64,7 @@ fn key_derivation(c: &mut Criterion) {
             b.iter(|| floor_key(black_box(input)))
         });
         group.bench_with_input(BenchmarkId::new("idem", label), &input, |b, input| {
-            b.iter(|| {
-                idem::__private_0_1_0::Call::from_args(
-                    Some(&run),
-                    "send_email",
-                    idem::Options::new(),
-                    &[black_box(input) as &dyn idem::__private_0_1_0::KeyInput],
-                    None,
-                )
-                .unwrap()
-            })
+            b.iter(|| tool.key_of(&run, &[black_box(input)]).unwrap())
         });
     }
     group.finish();

@@ -16,15 +16,14 @@
 //! 513-byte email and the result a 114-byte message id, as JSON. Takes under a minute
 //! (most of it filling two sled trees with 10⁶ records).
 
-#[path = "support/scenario.rs"]
-mod scenario;
-
 use std::collections::HashMap;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
 use idem::{MemoryStore, Run, SledStore};
-use scenario::{email, floor_key, message_id, send, send_email, send_email_owned, MessageId, BODY};
+use idem_testkit::scenario::{
+    self, email, floor_key, message_id, send, send_email, send_email_owned, MessageId, BODY,
+};
 
 const BATCHES: usize = 15;
 
@@ -165,17 +164,13 @@ fn main() {
     });
     t.row("direct call of the tool body", direct, None);
     let run = Run::new("bench").with_store(MemoryStore::new());
+    // The key of a call as the attribute derives it, through the public API: the
+    // dynamic tool prepares the call (options, run) and derives its key.
+    let tool = idem::Tool::new("send_email");
     let (derive, floor) = rt.block_on(compare(
         n,
         |_| async {
-            let call = idem::__private_0_1_0::Call::from_args(
-                Some(&run),
-                "send_email",
-                idem::Options::new(),
-                &[&input as &dyn idem::__private_0_1_0::KeyInput],
-                None,
-            );
-            std::hint::black_box(call.unwrap());
+            std::hint::black_box(tool.key_of(&run, &[&input]).unwrap());
         },
         |_| async {
             std::hint::black_box(floor_key(&input));
@@ -197,8 +192,7 @@ fn main() {
     let (alone, floor) = rt.block_on(compare(
         n,
         |_| async {
-            let args = [&input as &dyn idem::__private_0_1_0::KeyInput];
-            std::hint::black_box(idem::store::Fingerprint::of_args(&parts, &args).unwrap());
+            std::hint::black_box(idem::store::Fingerprint::of(&parts, &[&input]).unwrap());
         },
         |_| async {
             std::hint::black_box(floor_key(&input));

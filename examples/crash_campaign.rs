@@ -12,15 +12,12 @@
 //!
 //! Postgres and Redis join when `IDEM_POSTGRES_URL` / `IDEM_REDIS_URL` are set (and
 //! the `postgres` / `redis` features are on). The harness is in
-//! `examples/support/campaign.rs`; `tests/crash_campaign.rs` runs it bounded in CI.
-
-#[path = "support/campaign.rs"]
-mod campaign;
+//! `idem-testkit/src/campaign.rs`; `tests/crash_campaign.rs` runs it bounded in CI.
 
 use std::process::Command;
 
-use campaign::{Cell, Policy, StoreKind};
 use clap::Parser;
+use idem_testkit::campaign::{self, Cell, Policy, StoreKind};
 
 #[derive(Parser)]
 #[command(

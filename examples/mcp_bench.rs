@@ -11,14 +11,12 @@
 //! the tool not run). The three are called in turn, one call each, so a machine that
 //! slows down moves them alike; medians and p99 of single calls, in µs.
 
-#[path = "support/mcp.rs"]
-mod mcp;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem::mcp::RUN_META_KEY;
 use idem::MemoryStore;
+use idem_testkit::mcp;
 use rmcp::model::{CallToolRequestParams, RequestMetaObject};
 use rmcp::service::{RoleClient, RunningService};
 use serde_json::{json, Value};

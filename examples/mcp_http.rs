@@ -21,17 +21,12 @@
 //! can give up mid-call and retry; the story keeps records in memory, so it can be told
 //! again.
 
-#[path = "support/mcp.rs"]
-mod mcp;
-#[path = "support/mcp_http.rs"]
-mod mcp_http;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem::MemoryStore;
-use mcp::Mailer;
-use mcp_http::{post, post_and_hang_up, serve, structured, tools_call};
+use idem_testkit::mcp::http::{post, post_and_hang_up, serve, structured, tools_call};
+use idem_testkit::mcp::{self, Mailer};
 use serde_json::json;
 use tracing_subscriber::EnvFilter;
 

@@ -13,7 +13,7 @@
 //! client can give up mid-call and retry. The server logs to stderr
 //! (`RUST_LOG=idem=debug` for each decision).
 //!
-//! The server in `examples/support/mcp.rs` knows nothing of idem; one line makes its
+//! The server in `idem-testkit/src/mcp.rs` knows nothing of idem; one line makes its
 //! side-effecting tools idempotent:
 //!
 //! ```ignore
@@ -22,9 +22,7 @@
 //!
 //! `cargo run --example mcp_http` serves the same tool over streamable HTTP.
 
-#[path = "support/mcp.rs"]
-mod mcp;
-
+use idem_testkit::mcp;
 use rmcp::ServiceExt;
 use tracing_subscriber::EnvFilter;
 

@@ -17,15 +17,12 @@
 //! outcome, even with a downstream that does not deduplicate, uses `at_most_once`: the
 //! retry then gets `Error::OutcomeUnknown` (see `cargo run --example crash_campaign`).
 
-#[path = "support/provider.rs"]
-mod provider;
-
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use idem::{idempotent, MemoryStore, Run};
-use provider::{Charge, ChargeRequest, Provider};
+use idem_testkit::provider::{self, Charge, ChargeRequest, Provider};
 
 #[derive(Debug, thiserror::Error)]
 enum PaymentError {

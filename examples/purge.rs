@@ -14,15 +14,12 @@
 //! after the purge (median, 99th percentile and worst). Redis needs no purge: its keys
 //! expire on their own. Takes about a minute for 10⁶ records, most of it filling sled.
 
-#[path = "support/scenario.rs"]
-mod scenario;
-
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use idem::store::{Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Token};
 use idem::{Key, MemoryStore, Run, Store};
-use scenario::{email, message_id, send_email, BODY};
+use idem_testkit::scenario::{self, email, message_id, send_email, BODY};
 
 #[derive(Parser)]
 #[command(about = "Purge expired records and measure the calls made meanwhile")]

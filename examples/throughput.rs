@@ -44,9 +44,6 @@
 //! id. It prints calls per second, the median and the 99th percentile latency, and
 //! idem's throughput over the floor's, each pair measured one after the other.
 
-#[path = "support/scenario.rs"]
-mod scenario;
-
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,7 +51,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem::{MemoryStore, Run, SledStore};
-use scenario::{email, floor_key, message_id, send_email, MessageId, BODY};
+use idem_testkit::scenario::{email, floor_key, message_id, send_email, MessageId, BODY};
 
 /// The concurrency of each row.
 const TASKS: [usize; 3] = [1, 8, 64];
@@ -409,7 +406,7 @@ async fn sled(table: &mut Vec<Row>, time: Duration) {
 #[cfg(feature = "postgres")]
 async fn postgres(table: &mut Vec<Row>, time: Duration, url: &str) {
     let table_name = format!("idem_throughput_{}", std::process::id());
-    let (run, floor) = scenario::postgres_run(url, &table_name).await;
+    let (run, floor) = idem_testkit::scenario::postgres_run(url, &table_name).await;
     let store = run.store().unwrap();
     let floor = Arc::new(floor);
     let floor_of_rows = Arc::clone(&floor);
@@ -433,11 +430,11 @@ async fn postgres(table: &mut Vec<Row>, time: Duration, url: &str) {
 #[cfg(feature = "redis")]
 async fn redis(table: &mut Vec<Row>, time: Duration, url: &str) {
     let prefix = format!("idem-throughput-{}:", std::process::id());
-    let store = scenario::redis_run(url, &prefix, false)
+    let store = idem_testkit::scenario::redis_run(url, &prefix, false)
         .await
         .store()
         .unwrap();
-    let floor = Arc::new(scenario::RedisFloor::connect(url).await);
+    let floor = Arc::new(idem_testkit::scenario::RedisFloor::connect(url).await);
     let (floor_of_rows, floor_prefix) = (Arc::clone(&floor), prefix.clone());
     let floor_call = move |hit, n| {
         let (floor, prefix) = (Arc::clone(&floor_of_rows), floor_prefix.clone());
@@ -493,7 +490,7 @@ mod sqlite {
         }
 
         async fn call(&self, hit: bool, n: u64) {
-            let key = scenario::keyed(&email(n, BODY));
+            let key = idem_testkit::scenario::keyed(&email(n, BODY));
             let reader = self.readers.lock().unwrap().pop();
             let reader = reader.unwrap_or_else(|| connect(&self.path));
             let found: Option<String> = reader

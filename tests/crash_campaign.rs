@@ -10,12 +10,9 @@
 //! `cargo run --release --all-features --example crash_campaign -- --kills 1000` runs
 //! the long campaign and prints the table.
 
-#[path = "../examples/support/campaign.rs"]
-mod campaign;
-
 use std::process::Command;
 
-use campaign::{Cell, Policy, Report, StoreKind};
+use idem_testkit::campaign::{self, Cell, Policy, Report, StoreKind};
 
 /// Faults per store and policy: one at each of the ten kinds of point (six kills, two
 /// cancels, two panics).

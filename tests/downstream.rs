@@ -11,15 +11,12 @@
 //! `IDEM_KILL_POINTS=50 cargo test --test downstream -- --nocapture` runs a longer
 //! campaign and prints where the kills landed.
 
-#[path = "../examples/support/provider.rs"]
-mod provider;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use idem::{idempotent, Key, Reconciled, Run, SledStore};
-use provider::{Charge, ChargeRequest, Provider};
+use idem_testkit::provider::{self, Charge, ChargeRequest, Provider};
 
 #[derive(Debug, thiserror::Error)]
 enum PaymentError {

@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Record, Store, Token};
+use idem::store::Store;
 use idem::{idempotent, Error, Key, LocalCache, MemoryStore, Run, SledStore};
+use idem_testkit::faults::Faulty;
 use serde::{Deserialize, Serialize};
 
 /// Far below the 60-second leases of the tools that use it: a retry that took longer
@@ -423,17 +424,11 @@ async fn the_largest_ttl_works_on_every_store() {
         assert_eq!(run.scope(keep_for_a_century(1, &ran)).await.unwrap(), 1);
         assert_eq!(ran.get(), 1, "{name}: replayed");
 
-        // Longer in code than the attribute takes (through the code it generates):
+        // Longer than the attribute takes (`Duration::MAX`, through the dynamic API):
         // cut to the same 100 years.
-        use idem::__private_0_1_0::{execute, Call, ReleaseErrors};
-        let call = Call::new(
-            Some(&run),
-            "forever",
-            idem::Options::new().ttl(Duration::MAX),
-            &1,
-        );
-        let got = execute::<Result<u32, Error>, ReleaseErrors, _>(call, async { Ok(9) }).await;
-        assert_eq!(got.unwrap().unwrap(), 9, "{name}");
+        let forever = idem::Tool::new("forever").ttl(Duration::MAX);
+        let got: Result<u32, Error> = forever.call(&run, &1, |_| async { Ok(9) }).await;
+        assert_eq!(got.unwrap(), 9, "{name}");
     }
 }
 
@@ -567,8 +562,9 @@ fn threads() -> usize {
 
 #[test]
 fn failing_calls_from_sync_tools_do_not_start_a_thread_each() {
-    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), usize::MAX));
-    store.claim_failures.store(usize::MAX, Ordering::SeqCst);
+    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+    store.fail_completions(usize::MAX);
+    store.fail_claims(usize::MAX);
     let run = Run::new("many-failures").with_shared_store(store);
     let ran = Ran::default();
     let _ = run.sync_scope(|| send_receipt_sync("warm-up".into(), &ran));
@@ -651,90 +647,6 @@ async fn a_result_that_cannot_be_read_back_is_refused_at_the_first_call_and_neve
 
 // ----- A store that fails after the body ran -------------------------------------
 
-/// A real store whose `complete` fails the first `failures` times, as a store does that
-/// goes away (or fills its disk) between the claim and the completion; and whose
-/// `claim` fails the first `claim_failures` times; and whose `renew` fails the first
-/// `renew_failures` times (counting every renewal asked for in `renewals`).
-struct Faulty {
-    inner: Arc<dyn Store>,
-    failures: AtomicUsize,
-    claim_failures: AtomicUsize,
-    renew_failures: AtomicUsize,
-    renewals: AtomicUsize,
-    /// `complete` panics (a bug in the store's code) the first this many times.
-    complete_panics: AtomicUsize,
-}
-
-impl Faulty {
-    fn new(inner: Arc<dyn Store>, failures: usize) -> Self {
-        Faulty {
-            inner,
-            failures: AtomicUsize::new(failures),
-            claim_failures: AtomicUsize::new(0),
-            renew_failures: AtomicUsize::new(0),
-            renewals: AtomicUsize::new(0),
-            complete_panics: AtomicUsize::new(0),
-        }
-    }
-}
-
-/// Takes one from `left`, if any is left.
-fn take_one(left: &AtomicUsize) -> bool {
-    left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-        .is_ok()
-}
-
-#[async_trait::async_trait]
-impl Store for Faulty {
-    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
-        if take_one(&self.claim_failures) {
-            return Err(Error::store("failing", "connection reset"));
-        }
-        self.inner.claim(key, request).await
-    }
-    async fn complete(
-        &self,
-        key: &Key,
-        token: Token,
-        outcome: Outcome<'_>,
-        ttl: Duration,
-    ) -> Result<Fenced, Error> {
-        assert!(
-            !take_one(&self.complete_panics),
-            "a bug in the store's complete"
-        );
-        if take_one(&self.failures) {
-            return Err(Error::store("failing", "no space left on device"));
-        }
-        self.inner.complete(key, token, outcome, ttl).await
-    }
-    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
-        self.inner.release(key, token).await
-    }
-    async fn renew(
-        &self,
-        key: &Key,
-        token: Token,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Fenced, Error> {
-        self.renewals.fetch_add(1, Ordering::SeqCst);
-        if take_one(&self.renew_failures) {
-            return Err(Error::store("failing", "connection reset"));
-        }
-        self.inner.renew(key, token, lease, ttl).await
-    }
-    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
-        self.inner.get(key).await
-    }
-    async fn delete(&self, key: &Key) -> Result<bool, Error> {
-        self.inner.delete(key).await
-    }
-    async fn purge_expired(&self) -> Result<u64, Error> {
-        self.inner.purge_expired().await
-    }
-}
-
 #[idempotent(lease = "300ms", skip = [ran])]
 async fn send_receipt(to: String, ran: &Ran) -> Result<String, Error> {
     Ok(format!("receipt-{}", ran.bump()))
@@ -751,7 +663,8 @@ async fn a_store_failing_after_the_body_ran_gives_the_bodys_value_and_records_it
     for (name, inner) in stores(dir.path()).await {
         // Fails once, then takes the outcome: the background records it, and a retry
         // replays it.
-        let store = Arc::new(Faulty::new(inner.clone(), 1));
+        let store = Arc::new(Faulty::new(inner.clone()));
+        store.fail_completions(1);
         let run = Run::new(unique("late")).with_shared_store(store.clone());
         let ran = Ran::default();
         let first = run.scope(send_receipt("ada".into(), &ran)).await;
@@ -773,7 +686,8 @@ async fn an_outcome_the_store_takes_only_after_the_lease_still_answers_the_retry
         // The store refuses the outcome for about half a second, longer than the
         // 300 ms lease: the claim is renewed meanwhile, so a retry past the lease waits
         // for the outcome instead of taking the claim over and running again.
-        let store = Arc::new(Faulty::new(inner.clone(), 2));
+        let store = Arc::new(Faulty::new(inner.clone()));
+        store.fail_completions(2);
         let run = Run::new(unique("outage")).with_shared_store(store.clone());
         let ran = Ran::default();
         let first = run.scope(send_receipt("ada".into(), &ran)).await;
@@ -787,8 +701,8 @@ async fn an_outcome_the_store_takes_only_after_the_lease_still_answers_the_retry
 
 #[tokio::test]
 async fn a_store_that_panics_while_recording_is_a_store_that_failed() {
-    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), 0));
-    store.complete_panics.store(1, Ordering::SeqCst);
+    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+    store.panic_in_completions(1);
     let run = Run::new(unique("panics")).with_shared_store(store.clone());
     let ran = Ran::default();
     // The caller gets the body's value, not a panic; the outcome is recorded later.
@@ -803,7 +717,8 @@ async fn a_store_that_panics_while_recording_is_a_store_that_failed() {
 async fn a_store_that_never_takes_the_outcome_leaves_the_retry_to_the_delivery_policy() {
     let dir = tempfile::tempdir().unwrap();
     for (name, inner) in stores(dir.path()).await {
-        let store = Arc::new(Faulty::new(inner, usize::MAX));
+        let store = Arc::new(Faulty::new(inner));
+        store.fail_completions(usize::MAX);
         let run = Run::new(unique("never")).with_shared_store(store.clone());
 
         // At-least-once: the caller has its value; a retry after the lease runs again.
@@ -846,7 +761,8 @@ fn a_sync_tool_whose_store_fails_after_the_body_gets_its_value_and_the_retry_rep
 }
 
 fn sync_late_record_is_replayed(context: &str) {
-    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), 1));
+    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+    store.fail_completions(1);
     let run = Run::new(unique("sync-late")).with_shared_store(store);
     let ran = Ran::default();
     let first = run.sync_scope(|| send_receipt_sync("ada".into(), &ran));
@@ -865,8 +781,8 @@ fn sync_late_record_is_replayed(context: &str) {
 #[test]
 fn a_claim_the_store_fails_outside_a_runtime_is_an_error_at_once() {
     // The claim's late release (in case it landed after all) never holds the caller.
-    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), 0));
-    store.claim_failures.store(1, Ordering::SeqCst);
+    let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+    store.fail_claims(1);
     let run = Run::new("claim-fails").with_shared_store(store);
     let ran = Ran::default();
     let started = Instant::now();
@@ -900,8 +816,8 @@ async fn long_report(id: u32) -> Result<u32, Error> {
 #[tokio::test]
 async fn renewals_a_store_fails_are_retried_at_a_steady_pace() {
     for failures in [0, 3, usize::MAX] {
-        let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new()), 0));
-        store.renew_failures.store(failures, Ordering::SeqCst);
+        let store = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+        store.fail_renewals(failures);
         let run = Run::new("renewals").with_shared_store(store.clone());
         let started = Instant::now();
         assert_eq!(run.scope(long_report(7)).await.unwrap(), 7);
@@ -909,7 +825,7 @@ async fn renewals_a_store_fails_are_retried_at_a_steady_pace() {
         // One renewal a third of a lease (100 ms), a retry half of that after a failure:
         // at most one every 50 ms, whatever fails.
         let most = (took.as_millis() / 50 + 2) as usize;
-        let renewals = store.renewals.load(Ordering::SeqCst);
+        let renewals = store.renewals();
         assert!(
             (10..=most).contains(&renewals),
             "{failures} failures: {renewals} renewals in {took:?} (at most {most})"

@@ -1,15 +1,12 @@
 //! idem inside an MCP server (rmcp): the server runs in-process and an rmcp client
 //! talks to it over an in-memory transport, as an agent would over stdio.
 
-#[path = "../examples/support/mcp.rs"]
-mod mcp;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use idem::mcp::{REPLAYED_META_KEY, RUN_META_KEY};
 use idem::{idempotent, MemoryStore, Run, Store};
-use mcp::{connect, Mailer, Sent};
+use idem_testkit::mcp::{connect, Mailer, Sent};
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{

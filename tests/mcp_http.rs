@@ -3,17 +3,14 @@
 //! client drops its connection after the server started a slow, side-effecting call,
 //! then sends the call again with a new JSON-RPC id and the same run id.
 
-#[path = "../examples/support/mcp.rs"]
-mod mcp;
-#[path = "../examples/support/mcp_http.rs"]
-mod mcp_http;
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem::MemoryStore;
-use mcp::Mailer;
-use mcp_http::{post, post_and_hang_up, serve, structured, tools_call};
+use idem_testkit::mcp::http::{
+    self as mcp_http, post, post_and_hang_up, serve, structured, tools_call,
+};
+use idem_testkit::mcp::Mailer;
 use serde_json::json;
 
 fn email() -> serde_json::Value {

@@ -2,17 +2,14 @@
 //! tools it protects, what it stores, and its options. An rmcp client talks to it over
 //! an in-memory transport, as an agent would over stdio.
 
-#[path = "../examples/support/mcp.rs"]
-mod mcp;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem::mcp::{Idempotent, WithoutRun, REPLAYED_META_KEY, RUN_META_KEY};
-use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Record, Token};
-use idem::{Key, MemoryStore, Store, Tool};
-use mcp::connect;
+use idem::{MemoryStore, Store, Tool};
+use idem_testkit::faults::Down;
+use idem_testkit::mcp::connect;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
@@ -340,7 +337,7 @@ async fn the_run_id_field_can_be_renamed_and_calls_without_one_forwarded() {
 #[tokio::test]
 async fn an_unreachable_store_is_a_clear_error_and_the_tool_does_not_run() {
     let shop = Shop::new();
-    let layer = Idempotent::new(shop.clone()).store(Down);
+    let layer = Idempotent::new(shop.clone()).store(Down::new());
     let client = connect(layer).await;
     let error = client.call_tool(in_run("order", order(), "r1")).await;
     let Err(ServiceError::McpError(error)) = error else {
@@ -350,56 +347,6 @@ async fn an_unreachable_store_is_a_clear_error_and_the_tool_does_not_run() {
     assert!(error.message.contains("unreachable"), "{}", error.message);
     assert_eq!(shop.orders.load(Ordering::SeqCst), 0);
     client.cancel().await.unwrap();
-}
-
-/// A store whose every operation fails, as one that cannot be reached.
-struct Down;
-
-fn unreachable<T>() -> Result<T, idem::Error> {
-    Err(idem::Error::store(
-        "down",
-        "unreachable: connection refused",
-    ))
-}
-
-#[async_trait::async_trait]
-impl Store for Down {
-    fn name(&self) -> &'static str {
-        "down"
-    }
-    async fn claim(&self, _: &Key, _: &ClaimRequest) -> Result<Claim, idem::Error> {
-        unreachable()
-    }
-    async fn complete(
-        &self,
-        _: &Key,
-        _: Token,
-        _: Outcome<'_>,
-        _: Duration,
-    ) -> Result<Fenced, idem::Error> {
-        unreachable()
-    }
-    async fn release(&self, _: &Key, _: Token) -> Result<Fenced, idem::Error> {
-        unreachable()
-    }
-    async fn renew(
-        &self,
-        _: &Key,
-        _: Token,
-        _: Duration,
-        _: Duration,
-    ) -> Result<Fenced, idem::Error> {
-        unreachable()
-    }
-    async fn get(&self, _: &Key) -> Result<Option<Record>, idem::Error> {
-        unreachable()
-    }
-    async fn delete(&self, _: &Key) -> Result<bool, idem::Error> {
-        unreachable()
-    }
-    async fn purge_expired(&self) -> Result<u64, idem::Error> {
-        unreachable()
-    }
 }
 
 /// A server written by hand, without rmcp's tool router: its `get_tool` does not

@@ -11,9 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use idem::store::{Claim, ClaimRequest, Fenced, Outcome, Record, Token};
-use idem::{idempotent, CallOutcome, Error, Key, MemoryStore, Run, Store};
+use idem::{idempotent, CallOutcome, Error, MemoryStore, Run};
+use idem_testkit::faults::Down;
 use serde::{Deserialize, Serialize};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record as Values};
@@ -534,56 +533,13 @@ fn a_claim_whose_owner_stopped_renewing_is_taken_over() {
     );
 }
 
-/// A store whose server is down: every operation fails; `Down(true)`'s code panics
-/// when asked to claim.
-struct Down(bool);
-
-fn down() -> Error {
-    Error::store(
-        "custom",
-        std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused"),
-    )
-}
-
-#[async_trait]
-impl Store for Down {
-    async fn claim(&self, _: &Key, _: &ClaimRequest) -> Result<Claim, Error> {
-        assert!(!self.0, "a bug in the store's claim");
-        Err(down())
-    }
-    async fn complete(
-        &self,
-        _: &Key,
-        _: Token,
-        _: Outcome<'_>,
-        _: Duration,
-    ) -> Result<Fenced, Error> {
-        Err(down())
-    }
-    async fn release(&self, _: &Key, _: Token) -> Result<Fenced, Error> {
-        Err(down())
-    }
-    async fn renew(&self, _: &Key, _: Token, _: Duration, _: Duration) -> Result<Fenced, Error> {
-        Err(down())
-    }
-    async fn get(&self, _: &Key) -> Result<Option<Record>, Error> {
-        Err(down())
-    }
-    async fn delete(&self, _: &Key) -> Result<bool, Error> {
-        Err(down())
-    }
-    async fn purge_expired(&self) -> Result<u64, Error> {
-        Err(down())
-    }
-}
-
 #[test]
 fn an_unreachable_store_is_a_store_error_and_nothing_runs() {
     let capture = Capture::default();
     let provider = Provider::default();
     let sent = with_capture(&capture, async {
         Run::new("agent-run")
-            .with_store(Down(false))
+            .with_store(Down::new())
             .scope(charge(provider.clone(), 100, false))
             .await
     });
@@ -803,7 +759,7 @@ fn a_store_that_panics_is_a_store_error_and_nothing_runs() {
     let provider = Provider::default();
     let charged = with_capture(&capture, async {
         Run::new("agent-run")
-            .with_store(Down(true))
+            .with_store(Down::new().panicking_on_claim())
             .scope(charge(provider.clone(), 100, false))
             .await
     });

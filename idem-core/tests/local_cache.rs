@@ -8,63 +8,13 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use idem_core::__private::{execute, CacheErrors, Call, ReleaseErrors};
-use idem_core::store::{Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Record, Token};
+use idem_core::store::{Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Token};
 use idem_core::{Error, Key, LocalCache, MemoryStore, Options, Run, Store};
+use idem_testkit::faults::Faulty;
 
-/// A memory store that counts the claims it is asked.
-#[derive(Clone, Default)]
-struct Counted {
-    store: MemoryStore,
-    claims: Arc<AtomicUsize>,
-}
-
-impl Counted {
-    fn claims(&self) -> usize {
-        self.claims.load(SeqCst)
-    }
-}
-
-#[async_trait]
-impl Store for Counted {
-    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
-        self.claims.fetch_add(1, SeqCst);
-        self.store.claim(key, request).await
-    }
-    async fn complete(
-        &self,
-        key: &Key,
-        token: Token,
-        outcome: Outcome<'_>,
-        ttl: Duration,
-    ) -> Result<Fenced, Error> {
-        self.store.complete(key, token, outcome, ttl).await
-    }
-    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
-        self.store.release(key, token).await
-    }
-    async fn renew(
-        &self,
-        key: &Key,
-        token: Token,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Fenced, Error> {
-        self.store.renew(key, token, lease, ttl).await
-    }
-    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
-        self.store.get(key).await
-    }
-    async fn delete(&self, key: &Key) -> Result<bool, Error> {
-        self.store.delete(key).await
-    }
-    async fn purge_expired(&self) -> Result<u64, Error> {
-        self.store.purge_expired().await
-    }
-    // Not `with_completed_result`: the memory store's own hit path would hide from the
-    // count which hits the cache answered.
-}
+/// The store behind the cache: a memory store that counts the claims it is asked.
+type Counted = Faulty<MemoryStore>;
 
 /// A shared store (`behind`, as other processes see it) and this process's cache in
 /// front of it.

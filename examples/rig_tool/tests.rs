@@ -1,11 +1,8 @@
 //! idem inside rig tools (rig-core 0.44): `#[idempotent]` on `Tool::call`, dispatched
 //! through rig's erased tool boundary with raw JSON arguments, no LLM, no network.
 
-#[path = "../examples/support/rig.rs"]
-mod rig;
-
+use super::tools::{DraftEmail, MailError, Mailbox, Receipt, SendEmail, ToolSet};
 use idem::{MemoryStore, Run};
-use rig::{DraftEmail, MailError, Mailbox, Receipt, SendEmail, ToolSet};
 use rig_core::tool::{Tool, ToolContext, ToolResult};
 
 const ARGS: &str = r#"{"to":"ada@example.com","subject":"Invoice","body":"Attached."}"#;
@@ -87,7 +84,7 @@ async fn the_tool_context_is_not_part_of_the_key() {
         mailbox: mailbox.clone(),
     };
     let run = std::sync::Arc::new(run("run-ctx"));
-    let args: rig::Email = serde_json::from_str(ARGS).unwrap();
+    let args: super::tools::Email = serde_json::from_str(ARGS).unwrap();
     let mut first = ToolContext::default().with_scope(run.clone());
     let mut second = ToolContext::default()
         .with_scope(run.clone())

@@ -1,13 +1,11 @@
 //! rig tools (rig-core 0.44) whose `call` is idempotent, and a small tool set that
-//! dispatches them the way a rig driver does. Shared by the `rig_tool` example and the
+//! dispatches them the way a rig driver does. Used by the `rig_tool` example and its
 //! tests.
 //!
 //! The pattern: `#[idempotent]` on `Tool::call`, the run taken from the dispatch's
 //! scopes (`ctx.scope::<Run>()`, which a host fills with `serve_inline_with` or a
 //! driver's scopes), the `ToolContext` skipped from the key, and the tool's `NAME` as
 //! the tool name in the key.
-
-#![allow(dead_code)]
 
 use std::any::Any;
 use std::collections::HashMap;

@@ -5,7 +5,8 @@
 //! cargo run --example rig_tool
 //! ```
 //!
-//! The tools are in `examples/support/rig.rs`:
+//! The tools are in `tools.rs` beside this file, and their tests in `tests.rs`
+//! (`cargo test --example rig_tool`):
 //!
 //! ```ignore
 //! impl Tool for SendEmail {
@@ -19,11 +20,12 @@
 //! The host puts the agent's `Run` into the dispatch's scopes; the `ToolContext` is
 //! never part of the key; `NAME` keeps two tools with identical arguments apart.
 
-#[path = "support/rig.rs"]
-mod rig;
+#[cfg(test)]
+mod tests;
+mod tools;
 
 use idem::Run;
-use rig::{DraftEmail, Mailbox, SendEmail, ToolSet};
+use tools::{DraftEmail, Mailbox, SendEmail, ToolSet};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -16,8 +16,6 @@
 //! no such retry may wait out a lease.
 //! `IDEM_CAMPAIGN_TRACE=1` prints each worker run's plan and how it ended.
 
-#![allow(dead_code)]
-
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::{File, OpenOptions};
@@ -46,9 +44,13 @@ const CALL_FAILED: i32 = 41;
 /// Which store the worker keeps its records in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StoreKind {
+    /// `SledStore`, in a directory.
     Sled,
+    /// `SqliteStore`, in a file.
     Sqlite,
+    /// `PostgresStore`, at a URL (table `idem_campaign`).
     Postgres,
+    /// `RedisStore`, at a URL (prefix `idem-campaign:`).
     Redis,
 }
 
@@ -88,11 +90,15 @@ impl fmt::Display for Policy {
 /// Where a worker is killed, or where its agent stops waiting or its body panics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Phase {
+    /// Before the call claims its key.
     BeforeClaim,
+    /// After the claim, before the body starts.
     AfterClaim,
+    /// In the body, before the side effect.
     BeforeEffect,
     /// The crash window: the side effect happened, idem has not stored the result.
     AfterEffect,
+    /// After the outcome was recorded, before the call returned.
     AfterComplete,
     /// Killed by the driver after a random delay.
     Random,
@@ -414,32 +420,31 @@ pub fn run_worker_if_asked() -> bool {
 }
 
 async fn open(config: &WorkerConfig) -> Result<Arc<dyn Store>, Error> {
-    Ok(match config.store {
-        StoreKind::Sled => Arc::new(idem::SledStore::open(&config.location)?),
+    match config.store {
+        #[cfg(feature = "sled")]
+        StoreKind::Sled => Ok(Arc::new(idem::SledStore::open(&config.location)?)),
         #[cfg(feature = "sqlite")]
-        StoreKind::Sqlite => Arc::new(idem::SqliteStore::open(&config.location)?),
+        StoreKind::Sqlite => Ok(Arc::new(idem::SqliteStore::open(&config.location)?)),
         #[cfg(feature = "postgres")]
-        StoreKind::Postgres => Arc::new(
+        StoreKind::Postgres => Ok(Arc::new(
             idem::PostgresStore::builder(&config.location)
                 .table("idem_campaign")
                 .connect()
                 .await?,
-        ),
+        )),
         #[cfg(feature = "redis")]
-        StoreKind::Redis => Arc::new(
+        StoreKind::Redis => Ok(Arc::new(
             idem::RedisStore::builder(&config.location)
                 .prefix("idem-campaign:")
                 .connect()
                 .await?,
-        ),
+        )),
         #[allow(unreachable_patterns)]
-        other => {
-            return Err(Error::Store {
-                store: "campaign",
-                source: format!("built without the {other} feature").into(),
-            })
-        }
-    })
+        other => Err(Error::Store {
+            store: "campaign",
+            source: format!("built without the {other} feature").into(),
+        }),
+    }
 }
 
 async fn worker(config: WorkerConfig) -> i32 {
@@ -504,20 +509,28 @@ async fn worker(config: WorkerConfig) -> i32 {
 /// panics, cycling through every kind of point).
 #[derive(Debug, Clone)]
 pub struct Cell {
+    /// The store the workers keep their records in.
     pub store: StoreKind,
+    /// Where it is: a directory or file (sled, SQLite), or a URL (Postgres, Redis).
     pub location: String,
+    /// What the tool does with a call whose owner died after its side effect.
     pub policy: Policy,
+    /// How many faults to inject.
     pub faults: u32,
+    /// Seeds the random kill points and delays.
     pub seed: u64,
 }
 
 /// What a cell measured.
 #[derive(Debug, Clone, Default)]
 pub struct Report {
+    /// The cell's store.
     pub store: String,
+    /// The cell's policy.
     pub policy: String,
     /// Worker processes started, the verification pass included.
     pub runs: u32,
+    /// Workers killed with SIGKILL.
     pub kills: u32,
     /// Cancel points the agent stopped waiting at (the call then retried at once).
     pub cancels: u32,
@@ -527,6 +540,7 @@ pub struct Report {
     pub max_retry_ms: f64,
     /// Faults by where they landed: kills, cancels and panics.
     pub kills_by_phase: BTreeMap<String, u32>,
+    /// Tool calls the agent loop makes, each once intended.
     pub ops: u32,
     /// Executions of a side effect, from the ledger.
     pub executions: u32,
@@ -544,6 +558,7 @@ pub struct Report {
     pub reopen_failures: u32,
     /// Workers that failed otherwise, or hung: must be zero.
     pub worker_failures: u32,
+    /// How long the cell took.
     pub seconds: f64,
 }
 

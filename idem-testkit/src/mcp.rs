@@ -1,6 +1,7 @@
 //! An MCP server (rmcp) with a side-effecting tool, made idempotent by one line:
 //! [`Mailer::idempotent`] wraps it in `idem::mcp::Idempotent`. Shared by the
-//! `mcp_server` (stdio) and `mcp_http` (streamable HTTP) examples and the MCP tests.
+//! `mcp_server` (stdio), `mcp_http` (streamable HTTP) and `mcp_bench` examples and
+//! the MCP tests; [`http`] serves it over streamable HTTP.
 //!
 //! The server itself knows nothing of idem: `send_email` sends, every time it runs.
 //! The layer reads the agent's run id from each `tools/call` request's
@@ -8,7 +9,7 @@
 //! the first result (`_meta["idem/replayed"] = true`), and lets a call whose request
 //! was cancelled run to its end and record its result for the retry.
 
-#![allow(dead_code)]
+pub mod http;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

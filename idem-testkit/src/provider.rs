@@ -12,8 +12,6 @@
 //! Runs on 127.0.0.1 with an ephemeral port, for tests and examples; [`charge`] is the
 //! client call a payment tool makes.
 
-#![allow(dead_code)]
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -28,15 +26,20 @@ use serde::{Deserialize, Serialize};
 /// What a client asks for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChargeRequest {
+    /// Who pays.
     pub customer: String,
+    /// How much, in cents.
     pub amount_cents: u64,
+    /// In which currency (`"eur"`).
     pub currency: String,
 }
 
 /// What the provider answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Charge {
+    /// The provider's id of the charge (`ch_…`).
     pub id: String,
+    /// How much was charged, in cents.
     pub amount_cents: u64,
 }
 

@@ -1,13 +1,11 @@
 //! The `Mailer` MCP server over rmcp's streamable HTTP transport on 127.0.0.1, and the
 //! client side of MCP's 2026-07-28 revision spoken in plain HTTP: each `tools/call` is
 //! one stateless POST whose `_meta` carries the protocol version, the client's
-//! capabilities and the agent's run id. Shared by the `mcp_http` example and test.
+//! capabilities and the agent's run id. Used by the `mcp_http` example and test.
 //!
 //! A client that lost a request (its connection dropped) sends it again with a new
 //! JSON-RPC id and the same `_meta`; with idem, the retry gets the first request's
 //! result and the tool's side effect happens once.
-
-#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,7 +17,7 @@ use tokio::io::AsyncWriteExt;
 
 use idem::mcp::{Idempotent, RUN_META_KEY};
 
-use super::mcp::Mailer;
+use super::Mailer;
 
 /// The protocol revision the client speaks.
 pub const PROTOCOL_VERSION: &str = "2026-07-28";
