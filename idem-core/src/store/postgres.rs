@@ -16,6 +16,7 @@ mod builder;
 mod decode;
 mod migrate;
 mod ops;
+mod prepared;
 mod sql;
 
 pub use builder::PostgresStoreBuilder;
@@ -162,6 +163,7 @@ struct Inner {
     table: String,
     timeout: Duration,
     sql: Sql,
+    prepared: prepared::Prepared,
 }
 
 /// A result as text for the `result jsonb` column, or `None` if it is not UTF-8 or holds
@@ -253,14 +255,24 @@ impl PostgresStore {
         Box::pin(self.inner.pool.get()).await.map_err(pg_error)
     }
 
+    /// `sql` prepared on `client`: found by the connection and the statement's place
+    /// when it is one of the store's own (see [`prepared`]).
+    async fn prepare(
+        &self,
+        client: &deadpool_postgres::Object,
+        sql: &str,
+    ) -> Result<tokio_postgres::Statement, tokio_postgres::Error> {
+        self.inner.prepared.get(&self.inner.sql, client, sql).await
+    }
+
     /// Reads the record under `key` (expired or not) and the database time.
     async fn read(
         &self,
         client: &deadpool_postgres::Object,
         key: &Key,
     ) -> Result<(Option<Record>, Timestamp), Error> {
-        let stmt = client
-            .prepare_cached(&self.inner.sql.read)
+        let stmt = self
+            .prepare(client, &self.inner.sql.read)
             .await
             .map_err(pg_error)?;
         let row = client
@@ -276,7 +288,7 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, Error> {
         let client = self.client().await?;
-        let stmt = Box::pin(client.prepare_cached(sql))
+        let stmt = Box::pin(self.prepare(&client, sql))
             .await
             .map_err(pg_error)?;
         Box::pin(client.execute(&stmt, params))
@@ -296,14 +308,14 @@ impl PostgresStore {
     ) -> Result<u64, Error> {
         let client = self.client().await?;
         let first = async {
-            let stmt = Box::pin(client.prepare_cached(sql)).await?;
+            let stmt = Box::pin(self.prepare(&client, sql)).await?;
             Box::pin(client.execute(&stmt, params)).await
         };
         match first.await {
             Ok(n) => Ok(n),
             Err(e) if refuses_result(&e) => {
                 tracing::debug!(table = %self.inner.table, error = %e, "idem: the `result` column is left NULL for this outcome");
-                let stmt = client.prepare_cached(plain).await.map_err(pg_error)?;
+                let stmt = self.prepare(&client, plain).await.map_err(pg_error)?;
                 let without_text = &params[..params.len() - 1];
                 client.execute(&stmt, without_text).await.map_err(pg_error)
             }
@@ -332,7 +344,7 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Option<Row>, Error> {
         let client = self.client().await?;
-        let stmt = client.prepare_cached(sql).await.map_err(pg_error)?;
+        let stmt = self.prepare(&client, sql).await.map_err(pg_error)?;
         client.query_opt(&stmt, params).await.map_err(pg_error)
     }
 }

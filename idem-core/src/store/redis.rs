@@ -323,6 +323,30 @@ fn server_version(info: &str) -> Option<(u32, u32)> {
 
 /// A Redis failure with its whole cause (the server's reply, the connection's OS
 /// error); the original error stays its source.
+/// A key of the store as Redis names it, written straight into a command's buffer:
+/// no `String` is built for it on each call.
+#[derive(Clone, Copy)]
+struct RedisKey<'a> {
+    prefix: &'a str,
+    key: &'a Key,
+}
+
+impl RedisKey<'_> {
+    fn len(&self) -> usize {
+        self.prefix.len() + self.key.as_str().len()
+    }
+}
+
+impl redis::ToRedisArgs for RedisKey<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        use std::io::Write as _;
+        let mut arg = out.writer_for_next_arg();
+        // Writes into a `Vec`: they cannot fail.
+        let _ = arg.write_all(self.prefix.as_bytes());
+        let _ = arg.write_all(self.key.as_str().as_bytes());
+    }
+}
+
 fn redis_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
     net::failure(STORE, e, |_, _| StoreErrorKind::Other)
 }
@@ -347,8 +371,12 @@ impl RedisStore {
         &self.inner.prefix
     }
 
-    fn redis_key(&self, key: &Key) -> String {
-        format!("{}{}", self.inner.prefix, key)
+    /// `key` as Redis names it: the prefix, then the key's text.
+    fn redis_key<'a>(&'a self, key: &'a Key) -> RedisKey<'a> {
+        RedisKey {
+            prefix: &self.inner.prefix,
+            key,
+        }
     }
 
     async fn bounded<T>(
@@ -389,9 +417,13 @@ impl RedisStore {
         claim: &[u8],
         ttl: u64,
     ) -> Result<Option<Vec<u8>>, Error> {
-        let mut command = redis::cmd("SET");
+        let redis_key = self.redis_key(key);
+        // Sized once: the command's buffer would otherwise grow (and copy) as each
+        // argument is written, several times a call.
+        let mut command = redis::Cmd::with_capacity(7, 24 + redis_key.len() + claim.len());
         command
-            .arg(self.redis_key(key))
+            .arg("SET")
+            .arg(redis_key)
             .arg(claim)
             .arg("NX")
             .arg("GET")

@@ -84,6 +84,7 @@ impl PostgresStoreBuilder {
                 sql: Sql::new(&table),
                 table,
                 timeout: self.timeout,
+                prepared: Default::default(),
             }),
         })
     }

@@ -53,7 +53,7 @@ impl Store for PostgresStore {
             ];
             for _ in 0..CLAIM_ATTEMPTS {
                 // Each statement's future in a box of its own (see `client`).
-                let stmt = Box::pin(client.prepare_cached(&self.inner.sql.claim_fresh))
+                let stmt = Box::pin(self.prepare(&client, &self.inner.sql.claim_fresh))
                     .await
                     .map_err(pg_error)?;
                 let row = Box::pin(client.query_one(&stmt, &params[..9]))
@@ -75,7 +75,7 @@ impl Store for PostgresStore {
                 if write.is_none() {
                     return Ok(in_local_clock(claim, now));
                 }
-                let stmt = Box::pin(client.prepare_cached(&self.inner.sql.claim))
+                let stmt = Box::pin(self.prepare(&client, &self.inner.sql.claim))
                     .await
                     .map_err(pg_error)?;
                 let claimed = Box::pin(client.query_opt(&stmt, &params))

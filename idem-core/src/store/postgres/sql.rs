@@ -38,6 +38,28 @@ pub(super) fn ms(expr: &str) -> String {
 pub(super) const MAX_MS: i64 = 9_000_000_000_000_000;
 
 impl Sql {
+    /// Where `sql` is among these statements, if it is one of them: the same string,
+    /// not only an equal one, so a place never names another statement.
+    pub(super) fn place_of(&self, sql: &str) -> Option<usize> {
+        [
+            &self.read,
+            &self.claim_fresh,
+            &self.claim,
+            &self.complete,
+            &self.complete_plain,
+            &self.renew,
+            &self.release,
+            &self.delete,
+            &self.delete_settled,
+            &self.purge,
+            &self.resolve_completed,
+            &self.resolve_completed_plain,
+            &self.resolve_released,
+        ]
+        .iter()
+        .position(|statement| std::ptr::eq(statement.as_str(), sql))
+    }
+
     pub(super) fn new(t: &str) -> Self {
         // An outcome's write, with `result` set to `result` (its text through the
         // function, or NULL when the server refuses that).
