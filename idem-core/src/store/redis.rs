@@ -443,9 +443,9 @@ impl RedisStore {
         let mut pipe = redis::pipe();
         pipe.atomic()
             .cmd("GET")
-            .arg(&redis_key)
+            .arg(redis_key)
             .cmd("PTTL")
-            .arg(&redis_key)
+            .arg(redis_key)
             .cmd("TIME");
         let (bytes, left, (secs, micros)): (Option<Vec<u8>>, i64, (u64, u64)) = self
             .send(key, |mut c| async move { pipe.query_async(&mut c).await })
