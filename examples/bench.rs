@@ -170,7 +170,7 @@ fn main() {
     let (derive, floor) = rt.block_on(compare(
         n,
         |_| async {
-            std::hint::black_box(tool.key_of(&run, &[&input]).unwrap());
+            std::hint::black_box(tool.key_of(&run, &input).unwrap());
         },
         |_| async {
             std::hint::black_box(floor_key(&input));

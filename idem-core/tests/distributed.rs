@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem_core::__private::{execute, Call, ReleaseErrors};
-use idem_core::store::{Claim, ClaimRequest, Fingerprint, Record, State, Timestamp, Token};
+use idem_core::store::{
+    Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Record, State, Timestamp, Token,
+};
 use idem_core::testing;
 use idem_core::{Error, Key, LocalCache, Options, PostgresStore, RedisStore, Run, Store};
 
@@ -157,6 +159,66 @@ async fn redis_store_and_connection(
     let client = redis::Client::open(url).unwrap();
     let conn = client.get_multiplexed_async_connection().await.unwrap();
     (store, conn)
+}
+
+/// A server that lost its scripts (restarted without persistence, or `SCRIPT FLUSH`)
+/// is sent each again: a completion, a renewal and a release after the flush all take
+/// effect, and the completed call replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_scripts_the_server_lost_are_sent_again() {
+    let Some(url) = redis_url() else { return };
+    let (store, mut conn) = redis_store_and_connection(&url, "idem-noscript").await;
+    let flush = || redis::cmd("SCRIPT").arg("FLUSH").to_owned();
+    let request = |byte: u8| ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "tool"),
+        fingerprint: Fingerprint::from_bytes([byte; 32]),
+        token: Token::generate().unwrap(),
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+        take_over_expired: true,
+        retry_failed: true,
+    };
+    let (done, released) = (request(1), request(2));
+    let done_key = Key::of("tool", &done.fingerprint);
+    let released_key = Key::of("tool", &released.fingerprint);
+    for (key, request) in [(&done_key, &done), (&released_key, &released)] {
+        let claim = store.claim(key, request).await.unwrap();
+        assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+    }
+
+    let _: () = flush().query_async(&mut conn).await.unwrap();
+    let renewed = store
+        .renew(
+            &done_key,
+            done.token,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(renewed, Fenced::Applied);
+    let _: () = flush().query_async(&mut conn).await.unwrap();
+    let completed = store
+        .complete(
+            &done_key,
+            done.token,
+            Outcome::Completed(b"42"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(completed, Fenced::Applied);
+    let _: () = flush().query_async(&mut conn).await.unwrap();
+    let release = store.release(&released_key, released.token).await.unwrap();
+    assert_eq!(release, Fenced::Applied);
+
+    let again = store.claim(&done_key, &request(1)).await.unwrap();
+    assert_eq!(again, Claim::Completed(b"42".to_vec()));
+    let after_release = store.claim(&released_key, &request(2)).await.unwrap();
+    assert!(
+        matches!(after_release, Claim::Acquired { .. }),
+        "{after_release:?}"
+    );
 }
 
 /// What a Redis key holds is left alone, and reported, when it is not an idem record:

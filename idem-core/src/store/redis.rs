@@ -386,21 +386,36 @@ impl RedisStore {
         net::bounded(STORE, self.inner.timeout, f).await
     }
 
-    /// Runs a script on `key` with `args`.
+    /// Runs a script on `key` with `args`: `EVALSHA`, and once more after loading the
+    /// script if the server does not have it. The command is sized once and built here
+    /// (redis' `ScriptInvocation` copies each argument into a buffer of its own first,
+    /// then grows the command as it writes them).
     async fn script<T: redis::FromRedisValue>(
         &self,
         script: &Script,
         key: &Key,
         args: &[&[u8]],
     ) -> Result<T, Error> {
-        let mut invocation = script.key(self.redis_key(key));
+        let redis_key = self.redis_key(key);
+        let hash = script.get_hash();
+        let size =
+            32 + hash.len() + redis_key.len() + args.iter().map(|a| 16 + a.len()).sum::<usize>();
+        let mut command = redis::Cmd::with_capacity(4 + args.len(), size);
+        command.arg("EVALSHA").arg(hash).arg(1).arg(redis_key);
         for arg in args {
-            invocation.arg(*arg);
+            command.arg(*arg);
         }
-        self.send(
-            key,
-            |mut c| async move { invocation.invoke_async(&mut c).await },
-        )
+        self.send(key, |mut c| async move {
+            match command.query_async(&mut c).await {
+                Err(e)
+                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    script.load_async(&mut c).await?;
+                    command.query_async(&mut c).await
+                }
+                answer => answer,
+            }
+        })
         .await
     }
 
