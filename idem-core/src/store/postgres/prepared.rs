@@ -12,13 +12,13 @@
 //! on their next use (no round trip).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::RwLock;
 
 use deadpool_postgres::{Object, ObjectId};
 use tokio_postgres::Statement;
 
 use super::sql::Sql;
-use crate::sync::lock;
+use crate::sync::{read, write};
 
 /// Entries kept before the map is cleared: far above a pool's connections times the
 /// statements of [`Sql`], so a steady pool never reaches it.
@@ -27,7 +27,7 @@ const MAX_ENTRIES: usize = 4096;
 /// Statements of [`Sql`] by connection and place.
 #[derive(Default)]
 pub(super) struct Prepared {
-    statements: Mutex<HashMap<(ObjectId, usize), Statement>>,
+    statements: RwLock<HashMap<(ObjectId, usize), Statement>>,
 }
 
 impl Prepared {
@@ -43,11 +43,11 @@ impl Prepared {
             return client.prepare_cached(sql).await;
         };
         let key = (Object::id(client), place);
-        if let Some(statement) = lock(&self.statements).get(&key) {
+        if let Some(statement) = read(&self.statements).get(&key) {
             return Ok(statement.clone());
         }
         let statement = Box::pin(client.prepare_cached(sql)).await?;
-        let mut statements = lock(&self.statements);
+        let mut statements = write(&self.statements);
         if statements.len() >= MAX_ENTRIES {
             statements.clear();
         }
