@@ -266,9 +266,13 @@ impl RedisStoreBuilder {
         // Opening a client only reads its URL: a failure is a bad setting.
         let client = redis::Client::open(self.url.as_str())
             .map_err(|e| net::failure(STORE, e, |_, _| StoreErrorKind::Config))?;
+        // Every operation is bounded by the store's timeout around it (`bounded`), which
+        // also covers a reconnection; a response timeout of redis' own would be a
+        // second timer on every command, and never the first to fire. (Neither makes
+        // the connection manager reconnect: a timeout is not a dropped connection.)
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
+            .set_response_timeout(None)
             .set_number_of_retries(2);
         let connection =
             ConnectionManager::new_lazy_with_config(client, config).map_err(redis_error)?;
