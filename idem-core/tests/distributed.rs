@@ -221,6 +221,92 @@ async fn redis_scripts_the_server_lost_are_sent_again() {
     );
 }
 
+/// Scripts flushed in a tight loop while calls complete, renew and release: each
+/// operation still takes effect once (the store falls back to `EVAL` with the script's
+/// text, which no flush can miss), and a listing still reads every record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_scripts_flushed_in_a_tight_loop_still_run() {
+    let Some(url) = redis_url() else { return };
+    let (store, conn) = redis_store_and_connection(&url, "idem-flushed").await;
+    let store = Arc::new(store);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flusher = tokio::spawn({
+        let (stop, mut conn) = (stop.clone(), conn.clone());
+        async move {
+            let mut flushes = 0u64;
+            while !stop.load(SeqCst) {
+                let _: () = redis::cmd("SCRIPT")
+                    .arg("FLUSH")
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                flushes += 1;
+            }
+            flushes
+        }
+    });
+    let tasks: Vec<_> = (0..32u8)
+        .map(|n| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                for round in 0..8u8 {
+                    let request = ClaimRequest {
+                        origin: idem_core::store::Origin::new("run", "tool"),
+                        fingerprint: Fingerprint::from_bytes([n; 32]),
+                        token: Token::generate().unwrap(),
+                        lease: Duration::from_secs(60),
+                        ttl: Duration::from_secs(60),
+                        take_over_expired: true,
+                        retry_failed: true,
+                    };
+                    let mut bytes = [n; 32];
+                    bytes[0] = round;
+                    let request = ClaimRequest {
+                        fingerprint: Fingerprint::from_bytes(bytes),
+                        ..request
+                    };
+                    let key = Key::of("tool", &request.fingerprint);
+                    let claim = store.claim(&key, &request).await.unwrap();
+                    assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+                    let (lease, ttl) = (Duration::from_secs(60), Duration::from_secs(60));
+                    let renewed = store.renew(&key, request.token, lease, ttl).await.unwrap();
+                    assert_eq!(renewed, Fenced::Applied);
+                    if round % 2 == 0 {
+                        let done = store
+                            .complete(&key, request.token, Outcome::Completed(&[round]), ttl)
+                            .await
+                            .unwrap();
+                        assert_eq!(done, Fenced::Applied);
+                        let again = ClaimRequest {
+                            token: Token::generate().unwrap(),
+                            ..request.clone()
+                        };
+                        let replay = store.claim(&key, &again).await.unwrap();
+                        assert_eq!(replay, Claim::Completed(vec![round]));
+                    } else {
+                        let released = store.release(&key, request.token).await.unwrap();
+                        assert_eq!(released, Fenced::Applied);
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in futures_join(tasks).await {
+        task.unwrap();
+    }
+    let listed = store.count(&Default::default()).await.unwrap();
+    stop.store(true, SeqCst);
+    let flushes = flusher.await.unwrap();
+    assert_eq!(
+        listed.completed,
+        32 * 4,
+        "the completed records, listed: {listed:?}"
+    );
+    assert_eq!(listed.running, 0, "{listed:?}");
+    assert!(flushes > 10, "the scripts were flushed {flushes} times");
+    drop(conn);
+}
+
 /// What a Redis key holds is left alone, and reported, when it is not an idem record:
 /// bytes of another program, another Redis type, a claim someone made permanent (its
 /// lease cannot be placed in time without the key's expiry), a record that expires as

@@ -35,9 +35,9 @@ const MAX_PX: u64 = 1 << 50;
 /// A script that writes as a claim's owner: it reads the record under KEYS[1] and
 /// returns 0 unless the record is in progress with the token ARGV[1]; otherwise it
 /// runs `then` and returns 1. The offsets are those of [`Record::encode`].
-fn as_owner(then: &str) -> Script {
+fn as_owner(then: &str) -> Lua {
     let tag: String = IN_PROGRESS_TAG.iter().map(|b| format!("\\{b}")).collect();
-    Script::new(&format!(
+    Lua::new(format!(
         "local v = redis.call('GET', KEYS[1])
 if not v or #v < {len} or string.sub(v, 1, {tag_len}) ~= '{tag}'
   or string.sub(v, {t0}, {t1}) ~= ARGV[1] then return 0 end
@@ -56,7 +56,7 @@ return 1",
 /// on, the claim's own metadata (its history and origin: [`COMPLETED_AT`] + 8 for a
 /// completion, which keeps the last renewal, [`CLAIMED_AT`] for a renewal), then the
 /// payload. Returns 1 if applied.
-static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
+static COMPLETE: LazyLock<Lua> = LazyLock::new(|| {
     as_owner(&format!(
         "redis.call('SET', KEYS[1], string.sub(ARGV[2], 1, {f0}) .. string.sub(v, {f1}, {f2})
   .. string.sub(ARGV[2], {f3}, tonumber(ARGV[5])) .. string.sub(v, tonumber(ARGV[5]) + 1)
@@ -70,18 +70,19 @@ static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
 
 /// KEYS[1] key; ARGV the record read. Deletes the key only if it still holds exactly
 /// that record. Returns 1 if applied.
-static REMOVE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+static REMOVE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
         "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-return 1",
+return 1"
+            .to_owned(),
     )
 });
 
 /// KEYS the keys of a listed page. Returns, for each key, its value if it is a string
 /// (else false) and its time left (`PTTL`), then the server time (`TIME`).
-static FETCH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+static FETCH: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
         "local out = {}
 for _, k in ipairs(KEYS) do
   if redis.call('TYPE', k)['ok'] == 'string' then
@@ -94,22 +95,37 @@ end
 local t = redis.call('TIME')
 out[#out + 1] = t[1]
 out[#out + 1] = t[2]
-return out",
+return out"
+            .to_owned(),
     )
 });
 
 /// KEYS[1] key; ARGV token. Deletes the claim. Returns 1 if applied.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| as_owner("redis.call('DEL', KEYS[1])"));
+static RELEASE: LazyLock<Lua> = LazyLock::new(|| as_owner("redis.call('DEL', KEYS[1])"));
 
 /// KEYS[1] key; ARGV the record a claim read, the record to write, ttl ms. Writes only
 /// if the key still holds exactly the record read. Returns 1 if applied.
-static REPLACE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+static REPLACE: LazyLock<Lua> = LazyLock::new(|| {
+    Lua::new(
         "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return 1",
+return 1"
+            .to_owned(),
     )
 });
+
+/// A script of the store's on one key: its text, and the SHA-1 the server knows it by.
+struct Lua {
+    code: String,
+    hash: String,
+}
+
+impl Lua {
+    fn new(code: String) -> Self {
+        let hash = Script::new(&code).get_hash().to_owned();
+        Lua { code, hash }
+    }
+}
 
 /// A record as Redis returned it, decoded, and the time to decide on it by.
 struct Found {
@@ -390,32 +406,51 @@ impl RedisStore {
         net::bounded(STORE, self.inner.timeout, f).await
     }
 
-    /// Runs a script on `key` with `args`: `EVALSHA`, and once more after loading the
-    /// script if the server does not have it. The command is sized once and built here
-    /// (redis' `ScriptInvocation` copies each argument into a buffer of its own first,
-    /// then grows the command as it writes them).
+    /// Runs a script on `key` with `args` (see [`RedisStore::eval`]).
     async fn script<T: redis::FromRedisValue>(
         &self,
-        script: &Script,
+        script: &Lua,
         key: &Key,
         args: &[&[u8]],
     ) -> Result<T, Error> {
-        let redis_key = self.redis_key(key);
-        let hash = script.get_hash();
-        let size =
-            32 + hash.len() + redis_key.len() + args.iter().map(|a| 16 + a.len()).sum::<usize>();
-        let mut command = redis::Cmd::with_capacity(4 + args.len(), size);
-        command.arg("EVALSHA").arg(hash).arg(1).arg(redis_key);
-        for arg in args {
-            command.arg(*arg);
-        }
-        self.send(key, |mut c| async move {
-            match command.query_async(&mut c).await {
+        self.eval(script, key, &[self.redis_key(key)], args).await
+    }
+
+    /// Runs a script on `keys` with `args` (errors name `label`): `EVALSHA`, and `EVAL`
+    /// with the script's text if the server does not have it (lost to `SCRIPT FLUSH`
+    /// or a restart without persistence). `EVAL` cannot miss the script, however often
+    /// it is flushed, and leaves it cached for the next `EVALSHA`. The command is sized
+    /// once and built here (redis' `ScriptInvocation` copies each argument into a
+    /// buffer of its own first, then grows the command as it writes them).
+    async fn eval<T: redis::FromRedisValue, K: redis::ToRedisArgs>(
+        &self,
+        script: &Lua,
+        label: &Key,
+        keys: &[K],
+        args: &[&[u8]],
+    ) -> Result<T, Error> {
+        let command = |eval: &str, body: &str| {
+            let size = 32
+                + body.len()
+                + keys.len() * 96
+                + args.iter().map(|a| 16 + a.len()).sum::<usize>();
+            let mut command = redis::Cmd::with_capacity(3 + keys.len() + args.len(), size);
+            command.arg(eval).arg(body).arg(keys.len());
+            for key in keys {
+                command.arg(key);
+            }
+            for arg in args {
+                command.arg(*arg);
+            }
+            command
+        };
+        let by_hash = command("EVALSHA", &script.hash);
+        self.send(label, |mut c| async move {
+            match by_hash.query_async(&mut c).await {
                 Err(e)
                     if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
                 {
-                    script.load_async(&mut c).await?;
-                    command.query_async(&mut c).await
+                    command("EVAL", &script.code).query_async(&mut c).await
                 }
                 answer => answer,
             }
@@ -507,15 +542,7 @@ impl RedisStore {
         if keys.is_empty() {
             return Ok((page, bytes));
         }
-        let mut invocation = FETCH.prepare_invoke();
-        for k in &keys {
-            invocation.key(k);
-        }
-        let values: Vec<redis::Value> = self
-            .send(&listing, |mut c| async move {
-                invocation.invoke_async(&mut c).await
-            })
-            .await?;
+        let values: Vec<redis::Value> = self.eval(&FETCH, &listing, &keys, &[]).await?;
         let int = |v: Option<&redis::Value>| -> Option<i64> {
             match v? {
                 redis::Value::Int(n) => Some(*n),
