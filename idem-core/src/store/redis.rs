@@ -114,7 +114,7 @@ return 1"
     )
 });
 
-/// A script of the store's on one key: its text, and the SHA-1 the server knows it by.
+/// A script of the store's: its text, and the SHA-1 the server knows it by.
 struct Lua {
     code: String,
     hash: String,
@@ -341,8 +341,6 @@ fn server_version(info: &str) -> Option<(u32, u32)> {
     Some((parts.next()?.ok()?, parts.next()?.ok()?))
 }
 
-/// A Redis failure with its whole cause (the server's reply, the connection's OS
-/// error); the original error stays its source.
 /// A key of the store as Redis names it, written straight into a command's buffer:
 /// no `String` is built for it on each call.
 #[derive(Clone, Copy)]
@@ -367,6 +365,8 @@ impl redis::ToRedisArgs for RedisKey<'_> {
     }
 }
 
+/// A Redis failure with its whole cause (the server's reply, the connection's OS
+/// error); the original error stays its source.
 fn redis_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
     net::failure(STORE, e, |_, _| StoreErrorKind::Other)
 }
