@@ -103,11 +103,14 @@ fn sqlite_worker() {
     }));
 }
 
+/// Starts a worker writing `log`; what its test harness prints (a panic's message)
+/// goes to `log` with `.out` added.
 fn start(db: &Path, log: &Path) -> Child {
+    let out = std::fs::File::create(log.with_extension("out")).expect("the worker's output");
     Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "sqlite_worker", "--quiet"])
         .env(WORKER_ENV, format!("{} {}", db.display(), log.display()))
-        .stdout(std::process::Stdio::null())
+        .stdout(out)
         .spawn()
         .expect("a worker process")
 }
@@ -169,12 +172,15 @@ fn four_processes_with_a_kill_run_each_key_once_and_agree() {
             continue;
         }
         let status = wait(child, deadline);
-        assert!(status.success(), "worker {i} failed: {status}: {:?}", {
+        assert!(
+            status.success(),
+            "worker {i} failed: {status}: {:?}\n{}",
             lines(&log(i))
                 .into_iter()
                 .filter(|l| l.0 == "error")
-                .collect::<Vec<_>>()
-        });
+                .collect::<Vec<_>>(),
+            std::fs::read_to_string(log(i).with_extension("out")).unwrap_or_default()
+        );
     }
 
     // What the processes wrote down.

@@ -409,3 +409,29 @@ fn bad_settings_are_clear_errors() {
         "{err}"
     );
 }
+
+/// Many processes (here threads, each with connections of its own) opening one new
+/// file at the same moment all get a store: the first to put the file in WAL mode and
+/// make the table does so, the others wait for it rather than fail with `SQLITE_BUSY`
+/// (which SQLite returns at once, busy timeout or not, to a journal-mode change).
+#[test]
+fn stores_opened_at_once_on_one_new_file_all_open() {
+    for round in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = Arc::new(dir.path().join("idem.sqlite"));
+        let start = Arc::new(std::sync::Barrier::new(12));
+        let openers: Vec<_> = (0..12)
+            .map(|_| {
+                let (path, start) = (path.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    SqliteStore::open(&*path).map(drop)
+                })
+            })
+            .collect();
+        for opener in openers {
+            let opened = opener.join().unwrap();
+            assert!(opened.is_ok(), "round {round}: {opened:?}");
+        }
+    }
+}

@@ -332,9 +332,28 @@ impl SqliteStore {
                 ),
             ));
         }
-        let mode: String = writer
-            .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
-            .map_err(setting_up)?;
+        // Several processes may open a new file at once. Changing its journal mode takes
+        // a lock SQLite does not wait for (`SQLITE_BUSY` at once, whatever the busy
+        // timeout), so the setup is tried again until it goes through or the timeout
+        // runs out; a file already in WAL mode is left as it is.
+        let started = Instant::now();
+        let until_free = |step: &mut dyn FnMut() -> rusqlite::Result<()>| loop {
+            match step() {
+                Err(e) if is_busy(&e) && started.elapsed() < timeout => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                done => return done,
+            }
+        };
+        let mut mode = String::new();
+        until_free(&mut || {
+            mode = writer.query_row("PRAGMA journal_mode", [], |row| row.get(0))?;
+            if !mode.eq_ignore_ascii_case("wal") {
+                mode = writer.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
+            }
+            Ok(())
+        })
+        .map_err(setting_up)?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(Error::store(
                 "sqlite",
@@ -346,11 +365,12 @@ impl SqliteStore {
             ));
         }
         let sql = Sql::new(&format!("\"{table}\""));
-        let tx = writer
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(setting_up)?;
-        tx.execute_batch(&sql.schema(&table)).map_err(setting_up)?;
-        tx.commit().map_err(setting_up)?;
+        until_free(&mut || {
+            let tx = writer.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            tx.execute_batch(&sql.schema(&table))?;
+            tx.commit()
+        })
+        .map_err(setting_up)?;
         // A held lock is `SQLITE_BUSY` at once: writes wait for it themselves (see
         // `write_raw`).
         writer.busy_timeout(Duration::ZERO).map_err(sqlite_error)?;
