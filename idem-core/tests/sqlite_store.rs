@@ -413,7 +413,8 @@ fn bad_settings_are_clear_errors() {
 /// Many processes (here threads, each with connections of its own) opening one new
 /// file at the same moment all get a store: the first to put the file in WAL mode and
 /// make the table does so, the others wait for it rather than fail with `SQLITE_BUSY`
-/// (which SQLite returns at once, busy timeout or not, to a journal-mode change).
+/// (which SQLite answers at once, busy timeout or not, to a journal-mode change that
+/// would otherwise wait on another).
 #[test]
 fn stores_opened_at_once_on_one_new_file_all_open() {
     for round in 0..20 {

@@ -332,10 +332,11 @@ impl SqliteStore {
                 ),
             ));
         }
-        // Several processes may open a new file at once. Changing its journal mode takes
-        // a lock SQLite does not wait for (`SQLITE_BUSY` at once, whatever the busy
-        // timeout), so the setup is tried again until it goes through or the timeout
-        // runs out; a file already in WAL mode is left as it is.
+        // Several processes may open a new file at once. Changing its journal mode needs
+        // the file to itself: two connections that both read it and both ask for that
+        // would wait on each other, so SQLite answers `SQLITE_BUSY` at once, whatever
+        // the busy timeout. The setup is tried again until it goes through or the
+        // timeout runs out; a file already in WAL mode is left as it is.
         let started = Instant::now();
         let until_free = |step: &mut dyn FnMut() -> rusqlite::Result<()>| loop {
             match step() {
