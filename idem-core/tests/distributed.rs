@@ -21,7 +21,7 @@ use idem_core::store::{
     Claim, ClaimRequest, Fenced, Fingerprint, Outcome, Record, State, Timestamp, Token,
 };
 use idem_core::testing;
-use idem_core::{Error, Key, LocalCache, Options, PostgresStore, RedisStore, Run, Store};
+use idem_core::{Error, Key, LocalCache, Options, PostgresStore, RedisStore, Run, Store, Tool};
 
 fn postgres_url() -> Option<String> {
     let url = std::env::var("IDEM_POSTGRES_URL")
@@ -124,6 +124,226 @@ async fn postgres_purge_removes_a_backlog_of_many_batches_and_keeps_live_rows() 
     assert_eq!(store.purge_expired().await.unwrap(), 0);
     drop(client);
     drop_table(&url, &table).await;
+}
+
+/// A call of tool `send_email` with input `n` whose body counts its runs in `ran` and
+/// returns `value`.
+async fn call_counted(run: &Run, ran: &Arc<AtomicUsize>, n: u32, value: u32) -> Result<u32, Error> {
+    let ran = ran.clone();
+    Tool::new("send_email")
+        .call(run, &n, move |_| async move {
+            ran.fetch_add(1, SeqCst);
+            Ok::<_, Error>(value)
+        })
+        .await
+}
+
+/// Claims go through a function each pooled session makes for itself; a session that
+/// lost it (`DISCARD TEMP`, a pooler that moves statements between sessions) still
+/// claims, replays and runs each key once, with the one statement instead, and the
+/// store does not make the function again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_claims_through_the_sessions_function_and_without_it() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_claim_function");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .max_connections(1)
+        .connect()
+        .await
+        .unwrap();
+    let functions = "SELECT count(*) FROM pg_proc \
+                     WHERE pronamespace = pg_my_temp_schema() AND proname LIKE 'idem\\_claim\\_%'";
+    let run = Run::new(unique("run")).with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    assert_eq!(call_counted(&run, &ran, 1, 10).await.unwrap(), 10);
+    assert_eq!(call_counted(&run, &ran, 1, 11).await.unwrap(), 10);
+    assert_eq!(ran.load(SeqCst), 1);
+    {
+        // The pool's one session, the one that claimed.
+        let session = store.pool().get().await.unwrap();
+        let made: i64 = session.query_one(functions, &[]).await.unwrap().get(0);
+        assert_eq!(made, 1, "the session made its claim function");
+        session.batch_execute("DISCARD TEMP").await.unwrap();
+    }
+    assert_eq!(call_counted(&run, &ran, 1, 12).await.unwrap(), 10);
+    assert_eq!(call_counted(&run, &ran, 2, 20).await.unwrap(), 20);
+    assert_eq!(call_counted(&run, &ran, 2, 21).await.unwrap(), 20);
+    assert_eq!(ran.load(SeqCst), 2);
+    let session = store.pool().get().await.unwrap();
+    let made: i64 = session.query_one(functions, &[]).await.unwrap().get(0);
+    assert_eq!(made, 0, "the store went on without the function");
+    drop(session);
+    drop_table(&url, &table).await;
+}
+
+/// A table whose statistics are stale, as between two autovacuum runs: analyzed while
+/// every row had expired and none was in progress, then filled with rows in progress
+/// that expire later. Completions, renewals and releases each find their row by the
+/// primary key; they never walk the in-progress or the expiry index (each of which
+/// now holds every live row, where the statistics say it holds none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_statements_find_their_row_by_key_whatever_the_statistics() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_stale_stats");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .connect()
+        .await
+        .unwrap();
+    let admin = store.pool().get().await.unwrap();
+    let row = |state: u8, lease: &str, expires: &str| {
+        format!(
+            "SELECT 'stale.' || g || '.{state}', '\\x00', {state}, '\\x00', {lease}, '\\x00', now(), {expires} \
+             FROM generate_series(1, 20000) AS g"
+        )
+    };
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO {table} (key, fingerprint, state, token, lease_until, payload, created_at, expires_at) {}",
+            row(1, "NULL", "now() - interval '1 day'")
+        ))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("VACUUM ANALYZE {table}"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO {table} (key, fingerprint, state, token, lease_until, payload, created_at, expires_at) {}",
+            row(0, "now() + interval '1 hour'", "now() + interval '1 day'")
+        ))
+        .await
+        .unwrap();
+    // Scans of the in-progress and the expiry index, and of every index.
+    let scans = format!(
+        "SELECT coalesce(sum(idx_scan) FILTER (WHERE indexrelname LIKE '%\\_in\\_progress' \
+                                                   OR indexrelname LIKE '%\\_expires\\_at'), 0)::int8, \
+                coalesce(sum(idx_scan), 0)::int8 \
+         FROM pg_stat_user_indexes WHERE relid = '{table}'::regclass"
+    );
+    let before: i64 = admin.query_one(&scans, &[]).await.unwrap().get(1);
+    let run = Run::new(unique("run")).with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    for n in 0..50 {
+        assert_eq!(call_counted(&run, &ran, n, n).await.unwrap(), n);
+    }
+    // A renewal and a release, which no call above needed.
+    let request = ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "tool"),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        token: Token::generate().unwrap(),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+        take_over_expired: true,
+        retry_failed: true,
+    };
+    let key = Key::of("tool", &request.fingerprint);
+    let claim = store.claim(&key, &request).await.unwrap();
+    assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+    let (lease, ttl) = (request.lease, request.ttl);
+    let renewed = store.renew(&key, request.token, lease, ttl).await.unwrap();
+    assert_eq!(renewed, Fenced::Applied);
+    let released = store.release(&key, request.token).await.unwrap();
+    assert_eq!(released, Fenced::Applied);
+    // The statistics reach the view a moment after each transaction.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (walked, all) = loop {
+        let row = admin.query_one(&scans, &[]).await.unwrap();
+        let (walked, all): (i64, i64) = (row.get(0), row.get::<_, i64>(1) - before);
+        // A claim's read and a completion each scan an index at least once.
+        if all >= 100 || Instant::now() > deadline {
+            break (walked, all);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(all >= 100, "only {all} index scans were counted");
+    assert_eq!(
+        walked, 0,
+        "scans of the in-progress or the expiry index, of {all}"
+    );
+    drop(admin);
+    drop_table(&url, &table).await;
+}
+
+/// A role that may not make temporary objects (`REVOKE TEMP`), as on some managed
+/// servers: its claims use the one statement, and each key still runs once however
+/// many calls race on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_claims_where_the_role_may_not_make_temporary_objects() {
+    let Some(url) = postgres_url() else { return };
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let (admin, conn) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let exists = admin
+        .query_opt(
+            "SELECT 1 FROM pg_database WHERE datname = 'idem_no_temp'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .is_some();
+    if !exists {
+        // Another run may make it first: the statements after this one tell.
+        let _ = admin.batch_execute("CREATE DATABASE idem_no_temp").await;
+    }
+    admin
+        .batch_execute(
+            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'idem_no_temp') \
+                 THEN CREATE ROLE idem_no_temp LOGIN; END IF; END $$; \
+             REVOKE TEMP ON DATABASE idem_no_temp FROM PUBLIC",
+        )
+        .await
+        .expect("making the database and role of this test needs a superuser");
+    let mut in_db = config.clone();
+    in_db.dbname("idem_no_temp");
+    let (admin_in_db, conn) = in_db.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    admin_in_db
+        .batch_execute("GRANT USAGE, CREATE ON SCHEMA public TO idem_no_temp")
+        .await
+        .unwrap();
+    let host = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => host.clone(),
+        tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let as_role = format!("host={host} port={port} user=idem_no_temp dbname=idem_no_temp");
+    let table = unique("idem_no_temp");
+    let store = PostgresStore::builder(&as_role)
+        .table(&table)
+        .connect()
+        .await
+        .unwrap();
+    let run = Run::new(unique("run")).with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    let racing: Vec<_> = (0..16u32)
+        .map(|i| {
+            let (run, ran) = (run.clone(), ran.clone());
+            tokio::spawn(async move {
+                loop {
+                    match call_counted(&run, &ran, 1, 100 + i).await {
+                        Err(Error::InProgress { .. }) => tokio::task::yield_now().await,
+                        other => return other,
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in racing {
+        answers.push(task.await.unwrap().unwrap());
+    }
+    assert_eq!(ran.load(SeqCst), 1, "one run for one key");
+    assert!(answers.iter().all(|a| *a == answers[0]), "{answers:?}");
+    assert_eq!(call_counted(&run, &ran, 1, 0).await.unwrap(), answers[0]);
+    assert_eq!(call_counted(&run, &ran, 2, 7).await.unwrap(), 7);
+    assert_eq!(ran.load(SeqCst), 2);
+    admin_in_db
+        .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

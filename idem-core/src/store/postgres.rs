@@ -1,6 +1,7 @@
 //! `PostgresStore`: records in a PostgreSQL table, for fleets of workers (its docs give
 //! the table, the statements, the clock and the timeouts).
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -164,6 +165,9 @@ struct Inner {
     timeout: Duration,
     sql: Sql,
     prepared: prepared::Prepared,
+    /// Whether claims call the session's claim function (`Sql::claim_call`); cleared,
+    /// for good, the first time the server refuses it.
+    claim_function: AtomicBool,
 }
 
 /// A result as text for the `result jsonb` column, or `None` if it is not UTF-8 or holds

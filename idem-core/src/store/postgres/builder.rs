@@ -1,5 +1,6 @@
 //! [`PostgresStoreBuilder`]: the URL, table, timeout and pool size of a store.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -85,6 +86,7 @@ impl PostgresStoreBuilder {
                 table,
                 timeout: self.timeout,
                 prepared: Default::default(),
+                claim_function: AtomicBool::new(true),
             }),
         })
     }

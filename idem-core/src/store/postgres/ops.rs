@@ -1,6 +1,7 @@
 //! The [`Store`] trait on the table: each operation one statement (a claim may read
 //! again after losing a race).
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -53,12 +54,7 @@ impl Store for PostgresStore {
             ];
             for _ in 0..CLAIM_ATTEMPTS {
                 // Each statement's future in a box of its own (see `client`).
-                let stmt = Box::pin(self.prepare(&client, &self.inner.sql.claim_fresh))
-                    .await
-                    .map_err(pg_error)?;
-                let row = Box::pin(client.query_one(&stmt, &params[..9]))
-                    .await
-                    .map_err(pg_error)?;
+                let row = self.claim_read(&client, &params[..9]).await?;
                 if row
                     .try_get::<_, i64>(CLAIM_COLUMN_COUNT + 1)
                     .map_err(pg_error)?
@@ -293,4 +289,64 @@ impl Store for PostgresStore {
             }
         }
     }
+}
+
+impl PostgresStore {
+    /// The claim's first statement, `$1`–`$9` of a claim: the session's claim function
+    /// (`Sql::claim_call`), or where the server refuses one (no right to make temporary
+    /// objects, no PL/pgSQL, a pooler that moves statements between sessions) the same
+    /// read and insert as one statement (`Sql::claim_fresh`).
+    ///
+    /// The function reads the row and inserts a claim only when there is none, so a hit
+    /// is a plain read on the server; the statement's insertion, though it inserts
+    /// nothing on a hit, costs the server about a third more than the read (see
+    /// `docs/performance.md`). Both answer the same row.
+    async fn claim_read(
+        &self,
+        client: &deadpool_postgres::Object,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<tokio_postgres::Row, Error> {
+        let sql = &self.inner.sql;
+        if self.inner.claim_function.load(Ordering::Relaxed) {
+            let refused = match Box::pin(self.prepare(client, &sql.claim_call)).await {
+                Ok(stmt) => match Box::pin(client.query_one(&stmt, params)).await {
+                    Ok(row) => return Ok(row),
+                    // The session lost its function (`DISCARD`, a pooler): nothing ran.
+                    Err(e) if function_missing(&e) => e,
+                    Err(e) => return Err(pg_error(e)),
+                },
+                Err(e) if function_refused(&e) => e,
+                Err(e) => return Err(pg_error(e)),
+            };
+            if self.inner.claim_function.swap(false, Ordering::Relaxed) {
+                tracing::warn!(
+                    table = %self.inner.table,
+                    error = %pg_error(refused),
+                    "idem: the server refused the session's claim function; claims use one statement instead (a hit costs the server more)"
+                );
+            }
+        }
+        let stmt = Box::pin(self.prepare(client, &sql.claim_fresh))
+            .await
+            .map_err(pg_error)?;
+        Box::pin(client.query_one(&stmt, params))
+            .await
+            .map_err(pg_error)
+    }
+}
+
+/// Whether the server refused to make or prepare the claim function: a right or a
+/// feature it lacks (SQLSTATE classes 42 and 0A), no temporary schema, a read-only
+/// session. A lost connection or a cancelled statement is not a refusal.
+fn function_refused(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(|code| {
+        let code = code.code();
+        code.starts_with("42") || code.starts_with("0A") || code == "3F000" || code == "25006"
+    })
+}
+
+/// Whether a call of the claim function failed because the session no longer has it.
+fn function_missing(e: &tokio_postgres::Error) -> bool {
+    e.code()
+        .is_some_and(|code| code.code() == "42883" || code.code() == "3F000")
 }
