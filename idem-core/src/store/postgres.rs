@@ -83,8 +83,28 @@ const STORE: &str = "postgres";
 /// clocks agree on leases and expiry, except [`Claim::Busy`](crate::store::Claim::Busy)'s `lease_until`, which is
 /// converted to this process's clock, the one a waiting call sleeps by.
 ///
-/// - **claim** is one statement in the common cases: it inserts a fresh claim if the
-///   key has no row, and reads the row that was there and the database time:
+/// - **claim** is one round trip in the common cases: a PL/pgSQL function that reads
+///   the row and inserts a fresh claim only if the key has none, and answers what it
+///   read and the database time. Each pooled session makes the function for itself, in
+///   its temporary schema, the first time it claims: it lives and goes with the
+///   session, so the database keeps no function of idem's, and a worker of another
+///   version makes its own:
+///
+///   ```sql
+///   CREATE FUNCTION pg_temp.idem_claim_<hash of the table>(key, fingerprint, token, ...) AS
+///   BEGIN
+///       SELECT fingerprint, state, token, lease_until, payload, expires_at
+///           INTO ... FROM idem_records WHERE key = $1;
+///       IF NOT FOUND THEN
+///           INSERT INTO idem_records (key, ...) VALUES ($1, ...) ON CONFLICT (key) DO NOTHING;
+///       END IF;
+///   END
+///   ```
+///
+///   A hit is then a plain read on the server. Where the server refuses the function
+///   (a role without the `TEMP` right, a server without PL/pgSQL, a pooler that moves
+///   statements between sessions, a session `DISCARD`ed), the store says so once, in a
+///   warning, and claims with one statement that does the same for good:
 ///
 ///   ```sql
 ///   WITH found AS (SELECT fingerprint, state, token, lease_until, payload, expires_at
@@ -96,15 +116,17 @@ const STORE: &str = "postgres";
 ///   FROM (SELECT 1) AS one LEFT JOIN found ON true
 ///   ```
 ///
-///   It reads what the claim decides by, no more: a record's metadata (origin, times,
-///   counts) is written with the claim and read by the operator API, never by a hit.
+///   Its insertion costs the server about a third of a hit's work even when it inserts
+///   nothing. Either reads what the claim decides by, no more: a record's metadata
+///   (origin, times, counts) is written with the claim and read by the operator API,
+///   never by a hit.
 ///
-///   A first call (the miss path) is claimed by it, so a miss is two statements and two
+///   A first call (the miss path) is claimed by it, so a miss is two round trips and two
 ///   commits: this one and the completion. When the key has a row, nothing is inserted
 ///   (the transaction stays read-only; a row that another caller committed after the
-///   statement's snapshot meets `DO NOTHING` instead, and the claim reads again), and
-///   the row read decides: a completed row (the hit path), a live claim or another fingerprint
-///   needs nothing more, so a hit is one statement too. When the row is claimable
+///   read meets `DO NOTHING` instead, and the claim reads again), and the row read
+///   decides: a completed row (the hit path), a live claim or another fingerprint
+///   needs nothing more, so a hit is one round trip too. When the row is claimable
 ///   (expired, abandoned, failed), a second statement claims it, deciding again under
 ///   the row lock:
 ///
@@ -122,7 +144,11 @@ const STORE: &str = "postgres";
 ///   No row back means another caller won in between: the claim starts over and
 ///   reports what it finds.
 /// - **complete**: `UPDATE .. SET state = 1, payload = $p, expires_at = now() + ttl
-///   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`.
+///   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`. In this and
+///   the statements below, what follows `key = $1` is written as one `CASE` that no
+///   index serves: every plan then finds the row by the primary key, even one made on
+///   stale statistics, which would otherwise walk the expiry index (every live row) or
+///   the in-progress one.
 /// - **release**: `DELETE .. WHERE key = $1 AND state = 0 AND token = $2 AND
 ///   expires_at > now()`.
 /// - **renew** (a running body's heartbeat): `UPDATE .. SET lease_until = now() +
