@@ -177,6 +177,45 @@ async fn postgres_claims_through_the_sessions_function_and_without_it() {
     drop_table(&url, &table).await;
 }
 
+/// A session whose prepared statements went (`DISCARD ALL`, which also drops its
+/// temporary objects, run by hand or by a pooler) has them, and its claim function,
+/// made again: every call after it works, with no error and no second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_again() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_discard_all");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .max_connections(1)
+        .connect()
+        .await
+        .unwrap();
+    let run = Run::new(unique("run")).with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    let discard = || async {
+        let session = store.pool().get().await.unwrap();
+        session.batch_execute("DISCARD ALL").await.unwrap();
+    };
+    assert_eq!(call_counted(&run, &ran, 1, 10).await.unwrap(), 10);
+    discard().await;
+    assert_eq!(call_counted(&run, &ran, 1, 11).await.unwrap(), 10);
+    discard().await;
+    // A claim, then a completion, each the first statement after a discard.
+    assert_eq!(call_counted(&run, &ran, 2, 20).await.unwrap(), 20);
+    discard().await;
+    let listed = store.list(&Default::default(), None, 10).await.unwrap();
+    assert_eq!(listed.records.len(), 2, "{:?}", listed.unreadable);
+    assert_eq!(call_counted(&run, &ran, 2, 21).await.unwrap(), 20);
+    assert_eq!(ran.load(SeqCst), 2);
+    let session = store.pool().get().await.unwrap();
+    let functions = "SELECT count(*) FROM pg_proc \
+                     WHERE pronamespace = pg_my_temp_schema() AND proname LIKE 'idem\\_claim\\_%'";
+    let made: i64 = session.query_one(functions, &[]).await.unwrap().get(0);
+    assert_eq!(made, 1, "the session made its claim function again");
+    drop(session);
+    drop_table(&url, &table).await;
+}
+
 /// A table whose statistics are stale, as between two autovacuum runs: analyzed while
 /// every row had expired and none was in progress, then filled with rows in progress
 /// that expire later. Completions, renewals and releases each find their row by the

@@ -1,12 +1,15 @@
 //! `PostgresStore`: records in a PostgreSQL table, for fleets of workers (its docs give
 //! the table, the statements, the clock and the timeouts).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use tokio_postgres::Row;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{Row, Statement};
 
 use crate::error::{Error, StoreErrorKind};
 use crate::key_text::Key;
@@ -236,6 +239,9 @@ fn pg_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
     })
 }
 
+/// A statement running, in a box of its own (see `PostgresStore::client`).
+type Pending<'a, T> = Pin<Box<dyn Future<Output = Result<T, tokio_postgres::Error>> + Send + 'a>>;
+
 /// Milliseconds as Postgres' `int8`.
 fn millis(d: Duration) -> i64 {
     i64::try_from(crate::record::millis(d)).unwrap_or(i64::MAX)
@@ -295,18 +301,40 @@ impl PostgresStore {
         self.inner.prepared.get(&self.inner.sql, client, sql).await
     }
 
+    /// Runs `sql`, prepared on `client`, with `run`. A session that lost its prepared
+    /// statements (`DISCARD ALL`, `DEALLOCATE`, run on it by hand or by a pooler) has
+    /// them prepared again, and the statement runs once more: a statement the session
+    /// did not have ran nothing.
+    async fn on<'a, T>(
+        &self,
+        client: &deadpool_postgres::Object,
+        sql: &str,
+        run: impl Fn(Statement) -> Pending<'a, T>,
+    ) -> Result<T, tokio_postgres::Error> {
+        let stmt = Box::pin(self.prepare(client, sql)).await?;
+        match run(stmt).await {
+            Err(e) if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME) => {
+                tracing::debug!(table = %self.inner.table, error = %e, "idem: the session lost its prepared statements; preparing them again");
+                self.inner.prepared.forget(client);
+                let stmt = Box::pin(self.prepare(client, sql)).await?;
+                run(stmt).await
+            }
+            other => other,
+        }
+    }
+
     /// Reads the record under `key` (expired or not) and the database time.
     async fn read(
         &self,
         client: &deadpool_postgres::Object,
         key: &Key,
     ) -> Result<(Option<Record>, Timestamp), Error> {
-        let stmt = self
-            .prepare(client, &self.inner.sql.read)
-            .await
-            .map_err(pg_error)?;
-        let row = client
-            .query_one(&stmt, &[&key.as_str()])
+        let key_text = key.as_str();
+        let read = |stmt: Statement| -> Pending<'_, Row> {
+            Box::pin(async move { client.query_one(&stmt, &[&key_text]).await })
+        };
+        let row = self
+            .on(client, &self.inner.sql.read, read)
             .await
             .map_err(pg_error)?;
         decode_read(key, &row)
@@ -318,12 +346,11 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, Error> {
         let client = self.client().await?;
-        let stmt = Box::pin(self.prepare(&client, sql))
-            .await
-            .map_err(pg_error)?;
-        Box::pin(client.execute(&stmt, params))
-            .await
-            .map_err(pg_error)
+        let client = &client;
+        let execute = |stmt: Statement| -> Pending<'_, u64> {
+            Box::pin(async move { client.execute(&stmt, params).await })
+        };
+        self.on(client, sql, execute).await.map_err(pg_error)
     }
 
     /// Records an outcome with `sql`, whose last parameter is the result's text for the
@@ -337,17 +364,19 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, Error> {
         let client = self.client().await?;
-        let first = async {
-            let stmt = Box::pin(self.prepare(&client, sql)).await?;
-            Box::pin(client.execute(&stmt, params)).await
+        let client = &client;
+        let execute = |stmt: Statement| -> Pending<'_, u64> {
+            Box::pin(async move { client.execute(&stmt, params).await })
         };
-        match first.await {
+        match self.on(client, sql, execute).await {
             Ok(n) => Ok(n),
             Err(e) if refuses_result(&e) => {
                 tracing::debug!(table = %self.inner.table, error = %e, "idem: the `result` column is left NULL for this outcome");
-                let stmt = self.prepare(&client, plain).await.map_err(pg_error)?;
                 let without_text = &params[..params.len() - 1];
-                client.execute(&stmt, without_text).await.map_err(pg_error)
+                let execute = |stmt: Statement| -> Pending<'_, u64> {
+                    Box::pin(async move { client.execute(&stmt, without_text).await })
+                };
+                self.on(client, plain, execute).await.map_err(pg_error)
             }
             Err(e) => Err(pg_error(e)),
         }
@@ -358,11 +387,11 @@ impl PostgresStore {
     async fn query(&self, sql: &str, params: &Params) -> Result<Vec<Row>, Error> {
         self.bounded(async {
             let client = self.client().await?;
-            let stmt = client.prepare_cached(sql).await.map_err(pg_error)?;
-            client
-                .query(&stmt, &params.as_refs())
-                .await
-                .map_err(pg_error)
+            let (client, params) = (&client, &params.as_refs());
+            let query = |stmt: Statement| -> Pending<'_, Vec<Row>> {
+                Box::pin(async move { client.query(&stmt, params).await })
+            };
+            self.on(client, sql, query).await.map_err(pg_error)
         })
         .await
     }
@@ -374,8 +403,11 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Option<Row>, Error> {
         let client = self.client().await?;
-        let stmt = self.prepare(&client, sql).await.map_err(pg_error)?;
-        client.query_opt(&stmt, params).await.map_err(pg_error)
+        let client = &client;
+        let query = |stmt: Statement| -> Pending<'_, Option<Row>> {
+            Box::pin(async move { client.query_opt(&stmt, params).await })
+        };
+        self.on(client, sql, query).await.map_err(pg_error)
     }
 }
 

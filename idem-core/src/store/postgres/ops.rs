@@ -5,10 +5,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio_postgres::{Row, Statement};
 
 use super::decode::{decode_claim_read, decode_row, now_of, one_row};
 use super::sql::{CLAIM_COLUMN_COUNT, PURGE_BATCH};
-use super::{as_text, millis, pg_error, PostgresStore};
+use super::{as_text, millis, pg_error, Pending, PostgresStore};
 use crate::error::Error;
 use crate::key_text::Key;
 use crate::record::{Record, Timestamp, Token};
@@ -71,10 +72,12 @@ impl Store for PostgresStore {
                 if write.is_none() {
                     return Ok(in_local_clock(claim, now));
                 }
-                let stmt = Box::pin(self.prepare(&client, &self.inner.sql.claim))
-                    .await
-                    .map_err(pg_error)?;
-                let claimed = Box::pin(client.query_opt(&stmt, &params))
+                let (client, params) = (&client, &params);
+                let upsert = |stmt: Statement| -> Pending<'_, Option<Row>> {
+                    Box::pin(async move { client.query_opt(&stmt, params).await })
+                };
+                let claimed = self
+                    .on(client, &self.inner.sql.claim, upsert)
                     .await
                     .map_err(pg_error)?;
                 if claimed.is_some() {
@@ -305,16 +308,16 @@ impl PostgresStore {
         &self,
         client: &deadpool_postgres::Object,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<tokio_postgres::Row, Error> {
+    ) -> Result<Row, Error> {
         let sql = &self.inner.sql;
         if self.inner.claim_function.load(Ordering::Relaxed) {
-            let refused = match Box::pin(self.prepare(client, &sql.claim_call)).await {
-                Ok(stmt) => match Box::pin(client.query_one(&stmt, params)).await {
-                    Ok(row) => return Ok(row),
-                    // The session lost its function (`DISCARD`, a pooler): nothing ran.
-                    Err(e) if function_missing(&e) => e,
-                    Err(e) => return Err(pg_error(e)),
-                },
+            let call = |stmt: Statement| -> Pending<'_, Row> {
+                Box::pin(async move { client.query_one(&stmt, params).await })
+            };
+            let refused = match self.on(client, &sql.claim_call, call).await {
+                Ok(row) => return Ok(row),
+                // Refused as it was made or prepared, or the session lost it
+                // (`DISCARD TEMP`, a pooler): nothing ran.
                 Err(e) if function_refused(&e) => e,
                 Err(e) => return Err(pg_error(e)),
             };
@@ -326,27 +329,27 @@ impl PostgresStore {
                 );
             }
         }
-        let stmt = Box::pin(self.prepare(client, &sql.claim_fresh))
-            .await
-            .map_err(pg_error)?;
-        Box::pin(client.query_one(&stmt, params))
+        let claim = |stmt: Statement| -> Pending<'_, Row> {
+            Box::pin(async move { client.query_one(&stmt, params).await })
+        };
+        self.on(client, &sql.claim_fresh, claim)
             .await
             .map_err(pg_error)
     }
 }
 
-/// Whether the server refused to make or prepare the claim function: a right or a
-/// feature it lacks (SQLSTATE classes 42 and 0A), no temporary schema, a read-only
-/// session. A lost connection or a cancelled statement is not a refusal.
+/// Whether the server refused the claim function as it was made or prepared (a right
+/// or a feature it lacks: SQLSTATE classes 42 and 0A; no temporary schema; a read-only
+/// session), or the session lost it before a call (42883, no such function; 3F000, no
+/// temporary schema). A lost connection or a cancelled statement is not a refusal; nor
+/// is an error of the function's own statements (a missing table, 42P01, is the
+/// caller's to see).
 fn function_refused(e: &tokio_postgres::Error) -> bool {
     e.code().is_some_and(|code| {
         let code = code.code();
-        code.starts_with("42") || code.starts_with("0A") || code == "3F000" || code == "25006"
+        (code.starts_with("42") && code != "42P01")
+            || code.starts_with("0A")
+            || code == "3F000"
+            || code == "25006"
     })
-}
-
-/// Whether a call of the claim function failed because the session no longer has it.
-fn function_missing(e: &tokio_postgres::Error) -> bool {
-    e.code()
-        .is_some_and(|code| code.code() == "42883" || code.code() == "3F000")
 }

@@ -58,4 +58,13 @@ impl Prepared {
         statements.insert(key, statement.clone());
         Ok(statement)
     }
+
+    /// Forgets every statement prepared on `client`, here and in deadpool's cache: the
+    /// session lost them (`DISCARD ALL`, `DEALLOCATE`), and the next use prepares them
+    /// again.
+    pub(super) fn forget(&self, client: &Object) {
+        let id = Object::id(client);
+        write(&self.statements).retain(|(on, _), _| *on != id);
+        client.statement_cache.clear();
+    }
 }
