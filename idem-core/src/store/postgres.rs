@@ -179,6 +179,11 @@ const STORE: &str = "postgres";
 ///
 /// # Failures
 ///
+/// A pooled session that lost its prepared statements (`DISCARD ALL`, `DEALLOCATE`,
+/// run by hand or by a pooler) has them prepared again, and its claim function made
+/// again, the first time a statement meets their absence; that statement then runs
+/// once more (one the session did not have ran nothing).
+///
 /// Every operation is bounded by the store's timeout (5 seconds by default, covering
 /// the connection, the wait for a pooled connection and the statement): an unreachable
 /// or stopped server is an [`Error::Store`] within that time, and the operation is not
