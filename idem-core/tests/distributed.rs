@@ -138,6 +138,13 @@ async fn call_counted(run: &Run, ran: &Arc<AtomicUsize>, n: u32, value: u32) -> 
         .await
 }
 
+/// How many claim functions `session` has made for itself.
+async fn claim_functions(session: &tokio_postgres::Client) -> i64 {
+    let functions = "SELECT count(*) FROM pg_proc \
+                     WHERE pronamespace = pg_my_temp_schema() AND proname LIKE 'idem\\_claim\\_%'";
+    session.query_one(functions, &[]).await.unwrap().get(0)
+}
+
 /// Claims go through a function each pooled session makes for itself; a session that
 /// lost it (`DISCARD TEMP`, a pooler that moves statements between sessions) still
 /// claims, replays and runs each key once, with the one statement instead, and the
@@ -152,8 +159,6 @@ async fn postgres_claims_through_the_sessions_function_and_without_it() {
         .connect()
         .await
         .unwrap();
-    let functions = "SELECT count(*) FROM pg_proc \
-                     WHERE pronamespace = pg_my_temp_schema() AND proname LIKE 'idem\\_claim\\_%'";
     let run = Run::new(unique("run")).with_store(store.clone());
     let ran = Arc::new(AtomicUsize::new(0));
     assert_eq!(call_counted(&run, &ran, 1, 10).await.unwrap(), 10);
@@ -162,8 +167,11 @@ async fn postgres_claims_through_the_sessions_function_and_without_it() {
     {
         // The pool's one session, the one that claimed.
         let session = store.pool().get().await.unwrap();
-        let made: i64 = session.query_one(functions, &[]).await.unwrap().get(0);
-        assert_eq!(made, 1, "the session made its claim function");
+        assert_eq!(
+            claim_functions(&session).await,
+            1,
+            "the session made its claim function"
+        );
         session.batch_execute("DISCARD TEMP").await.unwrap();
     }
     assert_eq!(call_counted(&run, &ran, 1, 12).await.unwrap(), 10);
@@ -171,7 +179,7 @@ async fn postgres_claims_through_the_sessions_function_and_without_it() {
     assert_eq!(call_counted(&run, &ran, 2, 21).await.unwrap(), 20);
     assert_eq!(ran.load(SeqCst), 2);
     let session = store.pool().get().await.unwrap();
-    let made: i64 = session.query_one(functions, &[]).await.unwrap().get(0);
+    let made = claim_functions(&session).await;
     assert_eq!(made, 0, "the store went on without the function");
     drop(session);
     drop_table(&url, &table).await;
@@ -208,9 +216,7 @@ async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_agai
     assert_eq!(call_counted(&run, &ran, 2, 21).await.unwrap(), 20);
     assert_eq!(ran.load(SeqCst), 2);
     let session = store.pool().get().await.unwrap();
-    let functions = "SELECT count(*) FROM pg_proc \
-                     WHERE pronamespace = pg_my_temp_schema() AND proname LIKE 'idem\\_claim\\_%'";
-    let made: i64 = session.query_one(functions, &[]).await.unwrap().get(0);
+    let made = claim_functions(&session).await;
     assert_eq!(made, 1, "the session made its claim function again");
     drop(session);
     drop_table(&url, &table).await;
