@@ -138,56 +138,9 @@ async fn call_counted(run: &Run, ran: &Arc<AtomicUsize>, n: u32, value: u32) -> 
         .await
 }
 
-/// How many claim functions `session` has made for itself.
-async fn claim_functions(session: &tokio_postgres::Client) -> i64 {
-    let functions = "SELECT count(*) FROM pg_proc \
-                     WHERE pronamespace = pg_my_temp_schema() AND proname LIKE 'idem\\_claim\\_%'";
-    session.query_one(functions, &[]).await.unwrap().get(0)
-}
-
-/// Claims go through a function each pooled session makes for itself; a session that
-/// lost it (`DISCARD TEMP`, a pooler that moves statements between sessions) still
-/// claims, replays and runs each key once, with the one statement instead, and the
-/// store does not make the function again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_claims_through_the_sessions_function_and_without_it() {
-    let Some(url) = postgres_url() else { return };
-    let table = unique("idem_claim_function");
-    let store = PostgresStore::builder(&url)
-        .table(&table)
-        .max_connections(1)
-        .connect()
-        .await
-        .unwrap();
-    let run = Run::new(unique("run")).with_store(store.clone());
-    let ran = Arc::new(AtomicUsize::new(0));
-    assert_eq!(call_counted(&run, &ran, 1, 10).await.unwrap(), 10);
-    assert_eq!(call_counted(&run, &ran, 1, 11).await.unwrap(), 10);
-    assert_eq!(ran.load(SeqCst), 1);
-    {
-        // The pool's one session, the one that claimed.
-        let session = store.pool().get().await.unwrap();
-        assert_eq!(
-            claim_functions(&session).await,
-            1,
-            "the session made its claim function"
-        );
-        session.batch_execute("DISCARD TEMP").await.unwrap();
-    }
-    assert_eq!(call_counted(&run, &ran, 1, 12).await.unwrap(), 10);
-    assert_eq!(call_counted(&run, &ran, 2, 20).await.unwrap(), 20);
-    assert_eq!(call_counted(&run, &ran, 2, 21).await.unwrap(), 20);
-    assert_eq!(ran.load(SeqCst), 2);
-    let session = store.pool().get().await.unwrap();
-    let made = claim_functions(&session).await;
-    assert_eq!(made, 0, "the store went on without the function");
-    drop(session);
-    drop_table(&url, &table).await;
-}
-
-/// A session whose prepared statements went (`DISCARD ALL`, which also drops its
-/// temporary objects, run by hand or by a pooler) has them, and its claim function,
-/// made again: every call after it works, with no error and no second run.
+/// A session whose prepared statements went (`DISCARD ALL`, `DEALLOCATE`, run by hand
+/// or by a pooler) has them prepared again: every call after it works, with no error
+/// and no second run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_again() {
     let Some(url) = postgres_url() else { return };
@@ -215,10 +168,6 @@ async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_agai
     assert_eq!(listed.records.len(), 2, "{:?}", listed.unreadable);
     assert_eq!(call_counted(&run, &ran, 2, 21).await.unwrap(), 20);
     assert_eq!(ran.load(SeqCst), 2);
-    let session = store.pool().get().await.unwrap();
-    let made = claim_functions(&session).await;
-    assert_eq!(made, 1, "the session made its claim function again");
-    drop(session);
     drop_table(&url, &table).await;
 }
 
@@ -310,85 +259,6 @@ async fn postgres_statements_find_their_row_by_key_whatever_the_statistics() {
     );
     drop(admin);
     drop_table(&url, &table).await;
-}
-
-/// A role that may not make temporary objects (`REVOKE TEMP`), as on some managed
-/// servers: its claims use the one statement, and each key still runs once however
-/// many calls race on it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_claims_where_the_role_may_not_make_temporary_objects() {
-    let Some(url) = postgres_url() else { return };
-    let config: tokio_postgres::Config = url.parse().unwrap();
-    let (admin, conn) = config.connect(tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(conn);
-    let exists = admin
-        .query_opt(
-            "SELECT 1 FROM pg_database WHERE datname = 'idem_no_temp'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .is_some();
-    if !exists {
-        // Another run may make it first: the statements after this one tell.
-        let _ = admin.batch_execute("CREATE DATABASE idem_no_temp").await;
-    }
-    admin
-        .batch_execute(
-            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'idem_no_temp') \
-                 THEN CREATE ROLE idem_no_temp LOGIN; END IF; END $$; \
-             REVOKE TEMP ON DATABASE idem_no_temp FROM PUBLIC",
-        )
-        .await
-        .expect("making the database and role of this test needs a superuser");
-    let mut in_db = config.clone();
-    in_db.dbname("idem_no_temp");
-    let (admin_in_db, conn) = in_db.connect(tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(conn);
-    admin_in_db
-        .batch_execute("GRANT USAGE, CREATE ON SCHEMA public TO idem_no_temp")
-        .await
-        .unwrap();
-    let host = match &config.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(host) => host.clone(),
-        tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
-    };
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let as_role = format!("host={host} port={port} user=idem_no_temp dbname=idem_no_temp");
-    let table = unique("idem_no_temp");
-    let store = PostgresStore::builder(&as_role)
-        .table(&table)
-        .connect()
-        .await
-        .unwrap();
-    let run = Run::new(unique("run")).with_store(store.clone());
-    let ran = Arc::new(AtomicUsize::new(0));
-    let racing: Vec<_> = (0..16u32)
-        .map(|i| {
-            let (run, ran) = (run.clone(), ran.clone());
-            tokio::spawn(async move {
-                loop {
-                    match call_counted(&run, &ran, 1, 100 + i).await {
-                        Err(Error::InProgress { .. }) => tokio::task::yield_now().await,
-                        other => return other,
-                    }
-                }
-            })
-        })
-        .collect();
-    let mut answers = Vec::new();
-    for task in racing {
-        answers.push(task.await.unwrap().unwrap());
-    }
-    assert_eq!(ran.load(SeqCst), 1, "one run for one key");
-    assert!(answers.iter().all(|a| *a == answers[0]), "{answers:?}");
-    assert_eq!(call_counted(&run, &ran, 1, 0).await.unwrap(), answers[0]);
-    assert_eq!(call_counted(&run, &ran, 2, 7).await.unwrap(), 7);
-    assert_eq!(ran.load(SeqCst), 2);
-    admin_in_db
-        .batch_execute(&format!("DROP TABLE IF EXISTS {table}"))
-        .await
-        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -3,7 +3,6 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,28 +85,8 @@ const STORE: &str = "postgres";
 /// clocks agree on leases and expiry, except [`Claim::Busy`](crate::store::Claim::Busy)'s `lease_until`, which is
 /// converted to this process's clock, the one a waiting call sleeps by.
 ///
-/// - **claim** is one round trip in the common cases: a PL/pgSQL function that reads
-///   the row and inserts a fresh claim only if the key has none, and answers what it
-///   read and the database time. Each pooled session makes the function for itself, in
-///   its temporary schema, the first time it claims: it lives and goes with the
-///   session, so the database keeps no function of idem's, and a worker of another
-///   version makes its own:
-///
-///   ```sql
-///   CREATE FUNCTION pg_temp.idem_claim_<hash of the table>(key, fingerprint, token, ...) AS
-///   BEGIN
-///       SELECT fingerprint, state, token, lease_until, payload, expires_at
-///           INTO ... FROM idem_records WHERE key = $1;
-///       IF NOT FOUND THEN
-///           INSERT INTO idem_records (key, ...) VALUES ($1, ...) ON CONFLICT (key) DO NOTHING;
-///       END IF;
-///   END
-///   ```
-///
-///   A hit is then a plain read on the server. Where the server refuses the function
-///   (a role without the `TEMP` right, a server without PL/pgSQL, a pooler that moves
-///   statements between sessions, a session `DISCARD`ed), the store says so once, in a
-///   warning, and claims with one statement that does the same for good:
+/// - **claim** is one statement in the common cases: it inserts a fresh claim if the
+///   key has no row, and reads the row that was there and the database time:
 ///
 ///   ```sql
 ///   WITH found AS (SELECT fingerprint, state, token, lease_until, payload, expires_at
@@ -119,17 +98,15 @@ const STORE: &str = "postgres";
 ///   FROM (SELECT 1) AS one LEFT JOIN found ON true
 ///   ```
 ///
-///   Its insertion costs the server about a third of a hit's work even when it inserts
-///   nothing. Either reads what the claim decides by, no more: a record's metadata
-///   (origin, times, counts) is written with the claim and read by the operator API,
-///   never by a hit.
+///   It reads what the claim decides by, no more: a record's metadata (origin, times,
+///   counts) is written with the claim and read by the operator API, never by a hit.
 ///
-///   A first call (the miss path) is claimed by it, so a miss is two round trips and two
+///   A first call (the miss path) is claimed by it, so a miss is two statements and two
 ///   commits: this one and the completion. When the key has a row, nothing is inserted
 ///   (the transaction stays read-only; a row that another caller committed after the
-///   read meets `DO NOTHING` instead, and the claim reads again), and the row read
-///   decides: a completed row (the hit path), a live claim or another fingerprint
-///   needs nothing more, so a hit is one round trip too. When the row is claimable
+///   statement's snapshot meets `DO NOTHING` instead, and the claim reads again), and
+///   the row read decides: a completed row (the hit path), a live claim or another fingerprint
+///   needs nothing more, so a hit is one statement too. When the row is claimable
 ///   (expired, abandoned, failed), a second statement claims it, deciding again under
 ///   the row lock:
 ///
@@ -180,9 +157,9 @@ const STORE: &str = "postgres";
 /// # Failures
 ///
 /// A pooled session that lost its prepared statements (`DISCARD ALL`, `DEALLOCATE`,
-/// run by hand or by a pooler) has them prepared again, and its claim function made
-/// again, the first time a statement meets their absence; that statement then runs
-/// once more (one the session did not have ran nothing).
+/// run by hand or by a pooler) has them prepared again the first time a statement
+/// meets their absence; that statement then runs once more (one the session did not
+/// have ran nothing).
 ///
 /// Every operation is bounded by the store's timeout (5 seconds by default, covering
 /// the connection, the wait for a pooled connection and the statement): an unreachable
@@ -199,9 +176,6 @@ struct Inner {
     timeout: Duration,
     sql: Sql,
     prepared: prepared::Prepared,
-    /// Whether claims call the session's claim function (`Sql::claim_call`); cleared,
-    /// for good, the first time the server refuses it.
-    claim_function: AtomicBool,
 }
 
 /// A result as text for the `result jsonb` column, or `None` if it is not UTF-8 or holds

@@ -1,6 +1,5 @@
 //! [`PostgresStoreBuilder`]: the URL, table, timeout and pool size of a store.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,7 +85,6 @@ impl PostgresStoreBuilder {
                 table,
                 timeout: self.timeout,
                 prepared: Default::default(),
-                claim_function: AtomicBool::new(true),
             }),
         })
     }

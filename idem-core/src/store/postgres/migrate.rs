@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use super::sql::fnv1a;
 use super::{as_text, pg_error, refuses_result, PostgresStore, STORE};
 use crate::error::Error;
 use crate::store::net;
@@ -43,7 +42,9 @@ pub(super) fn index_name(t: &str, base: &str, suffix: &str) -> (String, String) 
     let name = match base.len() + 1 + suffix.len() <= 63 {
         true => format!("\"{base}_{suffix}\""),
         false => {
-            let hash = fnv1a(base);
+            let hash = base.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
             format!("\"idem_{hash:016x}_{suffix}\"")
         }
     };

@@ -1,7 +1,6 @@
 //! The [`Store`] trait on the table: each operation one statement (a claim may read
 //! again after losing a race).
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -55,7 +54,14 @@ impl Store for PostgresStore {
             ];
             for _ in 0..CLAIM_ATTEMPTS {
                 // Each statement's future in a box of its own (see `client`).
-                let row = self.claim_read(&client, &params[..9]).await?;
+                let (session, fresh) = (&client, &params[..9]);
+                let read = |stmt: Statement| -> Pending<'_, Row> {
+                    Box::pin(async move { session.query_one(&stmt, fresh).await })
+                };
+                let row = self
+                    .on(&client, &self.inner.sql.claim_fresh, read)
+                    .await
+                    .map_err(pg_error)?;
                 if row
                     .try_get::<_, i64>(CLAIM_COLUMN_COUNT + 1)
                     .map_err(pg_error)?
@@ -72,12 +78,12 @@ impl Store for PostgresStore {
                 if write.is_none() {
                     return Ok(in_local_clock(claim, now));
                 }
-                let (client, params) = (&client, &params);
+                let (session, all) = (&client, &params);
                 let upsert = |stmt: Statement| -> Pending<'_, Option<Row>> {
-                    Box::pin(async move { client.query_opt(&stmt, params).await })
+                    Box::pin(async move { session.query_opt(&stmt, all).await })
                 };
                 let claimed = self
-                    .on(client, &self.inner.sql.claim, upsert)
+                    .on(&client, &self.inner.sql.claim, upsert)
                     .await
                     .map_err(pg_error)?;
                 if claimed.is_some() {
@@ -292,64 +298,4 @@ impl Store for PostgresStore {
             }
         }
     }
-}
-
-impl PostgresStore {
-    /// The claim's first statement, `$1`–`$9` of a claim: the session's claim function
-    /// (`Sql::claim_call`), or where the server refuses one (no right to make temporary
-    /// objects, no PL/pgSQL, a pooler that moves statements between sessions) the same
-    /// read and insert as one statement (`Sql::claim_fresh`).
-    ///
-    /// The function reads the row and inserts a claim only when there is none, so a hit
-    /// is a plain read on the server; the statement's insertion, though it inserts
-    /// nothing on a hit, costs the server about a third more than the read (see
-    /// `docs/performance.md`). Both answer the same row.
-    async fn claim_read(
-        &self,
-        client: &deadpool_postgres::Object,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<Row, Error> {
-        let sql = &self.inner.sql;
-        if self.inner.claim_function.load(Ordering::Relaxed) {
-            let call = |stmt: Statement| -> Pending<'_, Row> {
-                Box::pin(async move { client.query_one(&stmt, params).await })
-            };
-            let refused = match self.on(client, &sql.claim_call, call).await {
-                Ok(row) => return Ok(row),
-                // Refused as it was made or prepared, or the session lost it
-                // (`DISCARD TEMP`, a pooler): nothing ran.
-                Err(e) if function_refused(&e) => e,
-                Err(e) => return Err(pg_error(e)),
-            };
-            if self.inner.claim_function.swap(false, Ordering::Relaxed) {
-                tracing::warn!(
-                    table = %self.inner.table,
-                    error = %pg_error(refused),
-                    "idem: the server refused the session's claim function; claims use one statement instead (a hit costs the server more)"
-                );
-            }
-        }
-        let claim = |stmt: Statement| -> Pending<'_, Row> {
-            Box::pin(async move { client.query_one(&stmt, params).await })
-        };
-        self.on(client, &sql.claim_fresh, claim)
-            .await
-            .map_err(pg_error)
-    }
-}
-
-/// Whether the server refused the claim function as it was made or prepared (a right
-/// or a feature it lacks: SQLSTATE classes 42 and 0A; no temporary schema; a read-only
-/// session), or the session lost it before a call (42883, no such function; 3F000, no
-/// temporary schema). A lost connection or a cancelled statement is not a refusal; nor
-/// is an error of the function's own statements (a missing table, 42P01, is the
-/// caller's to see).
-fn function_refused(e: &tokio_postgres::Error) -> bool {
-    e.code().is_some_and(|code| {
-        let code = code.code();
-        (code.starts_with("42") && code != "42P01")
-            || code.starts_with("0A")
-            || code == "3F000"
-            || code == "25006"
-    })
 }

@@ -31,8 +31,7 @@ pub(super) struct Prepared {
 }
 
 impl Prepared {
-    /// `sql`, one of `all`'s statements, prepared on `client` (after what it needs made
-    /// on the session, the first time: see [`Sql::setup_of`]); a statement that is not
+    /// `sql`, one of `all`'s statements, prepared on `client`; a statement that is not
     /// one of `all`'s is prepared through deadpool's cache.
     pub(super) async fn get(
         &self,
@@ -46,9 +45,6 @@ impl Prepared {
         let key = (Object::id(client), place);
         if let Some(statement) = read(&self.statements).get(&key) {
             return Ok(statement.clone());
-        }
-        if let Some(setup) = all.setup_of(place) {
-            Box::pin(client.batch_execute(setup)).await?;
         }
         let statement = Box::pin(client.prepare_cached(sql)).await?;
         let mut statements = write(&self.statements);

@@ -12,8 +12,6 @@ pub(super) struct Sql {
     pub(super) table: String,
     pub(super) read: String,
     pub(super) claim_fresh: String,
-    pub(super) claim_function: String,
-    pub(super) claim_call: String,
     pub(super) claim: String,
     pub(super) complete: String,
     pub(super) complete_plain: String,
@@ -36,13 +34,6 @@ pub(super) fn ms(expr: &str) -> String {
     )
 }
 
-/// The 64-bit FNV-1a hash of `text`: a short, stable name for a table's objects.
-pub(super) fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// The latest time `ms` gives: about 285,000 years from 1970.
 pub(super) const MAX_MS: i64 = 9_000_000_000_000_000;
 
@@ -53,7 +44,6 @@ impl Sql {
         [
             &self.read,
             &self.claim_fresh,
-            &self.claim_call,
             &self.claim,
             &self.complete,
             &self.complete_plain,
@@ -68,12 +58,6 @@ impl Sql {
         ]
         .iter()
         .position(|statement| std::ptr::eq(statement.as_str(), sql))
-    }
-
-    /// What a session must have made before `place`'s statement can be prepared on it:
-    /// the claim function, for the statement that calls it.
-    pub(super) fn setup_of(&self, place: usize) -> Option<&str> {
-        (self.place_of(&self.claim_call) == Some(place)).then_some(self.claim_function.as_str())
     }
 
     pub(super) fn new(t: &str) -> Self {
@@ -116,30 +100,7 @@ impl Sql {
              SELECT $1::text, $2::bytea, 0, $3::bytea, now() + $4::int8 * interval '1 millisecond', NULL, now(), \
                     now() + $5::int8 * interval '1 millisecond', $6::text, $7::text, $8::text, $9::text, now(), 1, 0"
         );
-        // The claim of a key with no row, as a function of the session's own (see
-        // `claim_call`): `$1`–`$9` as `claim_fresh`'s.
-        let function = format!("pg_temp.idem_claim_{:016x}", fnv1a(t));
-        let claim_function = format!(
-            "CREATE OR REPLACE FUNCTION {function}(text, bytea, bytea, int8, int8, text, text, text, text, \
-                 OUT o_fingerprint bytea, OUT o_state smallint, OUT o_token bytea, OUT o_lease int8, \
-                 OUT o_payload bytea, OUT o_expires int8, OUT o_now int8, OUT o_inserted int8) \
-             LANGUAGE plpgsql AS $idem$ \
-             BEGIN \
-                 SELECT {columns} INTO o_fingerprint, o_state, o_token, o_lease, o_payload, o_expires \
-                     FROM {t} AS r WHERE r.key = $1; \
-                 o_inserted := 0; \
-                 IF NOT FOUND THEN \
-                     {insert} ON CONFLICT (key) DO NOTHING; \
-                     IF FOUND THEN o_inserted := 1; END IF; \
-                 END IF; \
-                 o_now := {now}; \
-             END $idem$",
-            columns = claim_columns(),
-            now = ms("now()"),
-        );
         Sql {
-            claim_call: format!("SELECT * FROM {function}($1, $2, $3, $4, $5, $6, $7, $8, $9)"),
-            claim_function,
             read: format!("{read} {from}"),
             // What the claim decides by (see `claim_columns`), not the whole row.
             // The row is read first and the claim inserted only when the statement's
