@@ -61,6 +61,13 @@ impl Sql {
     }
 
     pub(super) fn new(t: &str) -> Self {
+        // What a claim's own statements check on the row they find by its key: it is
+        // still in progress under the caller's token and has not expired; or, for the
+        // reconciliation of an abandoned call, it is abandoned under that token.
+        let held = on_the_row("state = 0 AND token = $2 AND expires_at > now()");
+        let abandoned = on_the_row(&format!(
+            "{ABANDONED} AND token = $2 AND expires_at > now()"
+        ));
         // An outcome's write, with `result` set to `result` (its text through the
         // function, or NULL when the server refuses that).
         let complete = |result: &str| {
@@ -68,20 +75,17 @@ impl Sql {
                 "UPDATE {t} SET state = $3, payload = $4, result = {result}, lease_until = NULL, \
                  created_at = now(), completed_at = now(), \
                  expires_at = now() + $5::int8 * interval '1 millisecond' \
-                 WHERE key = $1 AND {checks}",
-                checks = on_the_row("state = 0 AND token = $2 AND expires_at > now()"),
+                 WHERE key = $1 AND {held}"
             )
         };
-        let resolve_completed =
-            |result: &str| {
-                format!(
+        let resolve_completed = |result: &str| {
+            format!(
                 "UPDATE {t} SET state = 1, payload = $3, result = {result}, lease_until = NULL, \
                  created_at = now(), completed_at = now(), \
                  expires_at = now() + $4::int8 * interval '1 millisecond' \
-                 WHERE key = $1 AND {checks}",
-                checks = on_the_row(&format!("{ABANDONED} AND token = $2 AND expires_at > now()")),
+                 WHERE key = $1 AND {abandoned}"
             )
-            };
+        };
         // The row under `$1` (all NULL if there is none) and the database time.
         let read = format!("SELECT {}, {now}", columns(), now = ms("now()"));
         let from = format!("FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1");
@@ -141,18 +145,15 @@ impl Sql {
             renew: format!(
                 "UPDATE {t} SET lease_until = now() + $3::int8 * interval '1 millisecond', \
                  expires_at = now() + $4::int8 * interval '1 millisecond', renewed_at = now() \
-                 WHERE key = $1 AND {checks}",
-                checks = on_the_row("state = 0 AND token = $2 AND expires_at > now()"),
+                 WHERE key = $1 AND {held}"
             ),
             resolve_completed: resolve_completed("$5::text::jsonb"),
             resolve_completed_plain: resolve_completed("NULL"),
             resolve_released: format!(
-                "DELETE FROM {t} WHERE key = $1 AND {checks}",
-                checks = on_the_row(&format!("{ABANDONED} AND token = $2 AND expires_at > now()")),
+                "DELETE FROM {t} WHERE key = $1 AND {abandoned}"
             ),
             release: format!(
-                "DELETE FROM {t} WHERE key = $1 AND {checks}",
-                checks = on_the_row("state = 0 AND token = $2 AND expires_at > now()"),
+                "DELETE FROM {t} WHERE key = $1 AND {held}"
             ),
             delete: format!("DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now()"),
             delete_settled: format!(
@@ -260,7 +261,7 @@ pub(super) const CLAIM_COLUMN_COUNT: usize = 6;
 /// statistics (the expiry histogram of an hour ago, an in-progress index that was empty
 /// at the last `ANALYZE`) walk the expiry or the in-progress index instead: every live
 /// row, or every row in progress, on each completion.
-pub(super) fn on_the_row(checks: &str) -> String {
+fn on_the_row(checks: &str) -> String {
     // Not `(..) IS TRUE`: a later planner may learn to see through that.
     format!("CASE WHEN {checks} THEN true ELSE false END")
 }
