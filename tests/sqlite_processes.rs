@@ -23,6 +23,11 @@ const KEYS: u64 = 50;
 const RUN_ID: &str = "sqlite-processes";
 /// The worker's configuration: `<database> <log>`.
 const WORKER_ENV: &str = "IDEM_SQLITE_PROCESSES_WORKER";
+/// Set for the worker the test kills: past a quarter of its calls it pauses between
+/// them, so that the kill lands while it still has calls to make however slowly the
+/// test sees its progress (most of its calls are replays, microseconds each, and a busy
+/// machine once let it finish all 200 between two looks).
+const PACED_ENV: &str = "IDEM_SQLITE_PROCESSES_PACED";
 
 #[derive(Debug, Serialize, Deserialize)]
 struct ToolError(String);
@@ -87,7 +92,11 @@ fn sqlite_worker() {
         let store = SqliteStore::open(&db).expect("the store opens");
         let run = Run::new(RUN_ID).with_store(store);
         let mut seed = u64::from(std::process::id()) | 1;
-        for _ in 0..CALLS {
+        let paced = std::env::var_os(PACED_ENV).is_some();
+        for call in 0..CALLS {
+            if paced && call > CALLS / 4 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
@@ -103,16 +112,19 @@ fn sqlite_worker() {
     }));
 }
 
-/// Starts a worker writing `log`; what its test harness prints (a panic's message)
-/// goes to `log` with `.out` added.
-fn start(db: &Path, log: &Path) -> Child {
+/// Starts a worker writing `log` (`paced`: see [`PACED_ENV`]); what its test harness
+/// prints (a panic's message) goes to `log` with `.out` added.
+fn start(db: &Path, log: &Path, paced: bool) -> Child {
     let out = std::fs::File::create(log.with_extension("out")).expect("the worker's output");
-    Command::new(std::env::current_exe().unwrap())
+    let mut worker = Command::new(std::env::current_exe().unwrap());
+    worker
         .args(["--ignored", "--exact", "sqlite_worker", "--quiet"])
         .env(WORKER_ENV, format!("{} {}", db.display(), log.display()))
-        .stdout(out)
-        .spawn()
-        .expect("a worker process")
+        .stdout(out);
+    if paced {
+        worker.env(PACED_ENV, "1");
+    }
+    worker.spawn().expect("a worker process")
 }
 
 fn wait(child: &mut Child, deadline: Instant) -> std::process::ExitStatus {
@@ -149,10 +161,11 @@ fn four_processes_with_a_kill_run_each_key_once_and_agree() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("idem.sqlite");
     let log = |i: usize| dir.path().join(format!("worker-{i}.log"));
-    let mut children: Vec<Child> = (0..WORKERS).map(|i| start(&db, &log(i))).collect();
-
     // Kill one worker once it is well into its calls.
     let victim = std::process::id() as usize % WORKERS;
+    let mut children: Vec<Child> = (0..WORKERS)
+        .map(|i| start(&db, &log(i), i == victim))
+        .collect();
     let started = Instant::now();
     while lines(&log(victim)).iter().filter(|l| l.0 == "ok").count() < CALLS as usize / 4 {
         assert!(
@@ -164,7 +177,7 @@ fn four_processes_with_a_kill_run_each_key_once_and_agree() {
     children[victim].kill().unwrap();
     children[victim].wait().unwrap();
     let killed = log(victim);
-    children.push(start(&db, &log(WORKERS)));
+    children.push(start(&db, &log(WORKERS), false));
 
     let deadline = Instant::now() + Duration::from_secs(120);
     for (i, child) in children.iter_mut().enumerate() {
