@@ -171,6 +171,64 @@ async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_agai
     drop_table(&url, &table).await;
 }
 
+/// A running call's renewals never wait behind the pool's other work: with every
+/// connection of its store's pool taken for four leases while its body runs, the call
+/// keeps its claim. Another worker calling the same key meanwhile waits for its value
+/// and does not run the body again (before renewals had connections of their own, it
+/// took the claim over a lease after the pool filled, and the body ran twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_pool_busy_with_other_work_does_not_starve_a_running_calls_renewals() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_starved");
+    let store = || {
+        PostgresStore::builder(&url)
+            .table(&table)
+            .max_connections(2)
+            .connect()
+    };
+    let (busy, other) = (store().await.unwrap(), store().await.unwrap());
+    let lease = Duration::from_millis(600);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let call = |store: &PostgresStore, body: Duration, value: u32| {
+        let (run, ran) = (Run::new("starved").with_store(store.clone()), ran.clone());
+        tokio::spawn(async move {
+            Tool::new("send_email")
+                .lease(lease)
+                .call(&run, &1, move |_| async move {
+                    ran.fetch_add(1, SeqCst);
+                    tokio::time::sleep(body).await;
+                    Ok::<_, Error>(value)
+                })
+                .await
+        })
+    };
+    let first = call(&busy, lease * 3, 7);
+    while ran.load(SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Every connection of the first worker's pool, taken until after its body ends.
+    let taken = [
+        busy.pool().get().await.unwrap(),
+        busy.pool().get().await.unwrap(),
+    ];
+    tokio::time::sleep(lease * 2).await;
+    let second = call(&other, Duration::ZERO, 8);
+    tokio::time::sleep(lease * 2).await;
+    drop(taken);
+    assert_eq!(
+        first.await.unwrap().unwrap(),
+        7,
+        "the first caller kept its claim"
+    );
+    assert_eq!(
+        second.await.unwrap().unwrap(),
+        7,
+        "the second caller got the first's value"
+    );
+    assert_eq!(ran.load(SeqCst), 1, "the body ran once");
+    drop_table(&url, &table).await;
+}
+
 /// A table whose statistics are stale, as between two autovacuum runs: analyzed while
 /// every row had expired and none was in progress, then filled with rows in progress
 /// that expire later. Completions, renewals and releases each find their row by the

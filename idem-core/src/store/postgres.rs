@@ -156,6 +156,11 @@ const STORE: &str = "postgres";
 ///
 /// # Failures
 ///
+/// A running call's renewals go through two connections of their own (opened on the
+/// first renewal, beside the `max_connections` of the pool every other operation
+/// uses): a pool busy with other calls' claims and completions never holds a live
+/// call's renewal past its lease, where another worker would take the claim over.
+///
 /// A pooled session that lost its prepared statements (`DISCARD ALL`, `DEALLOCATE`,
 /// run by hand or by a pooler) has them prepared again the first time a statement
 /// meets their absence; that statement then runs once more (one the session did not
@@ -171,11 +176,35 @@ pub struct PostgresStore {
 }
 
 struct Inner {
-    pool: Pool,
+    /// Every operation's connections but a renewal's.
+    calls: Lane,
+    /// A running call's renewals: connections of their own, so a pool busy with other
+    /// calls' claims and completions never holds a renewal past its lease.
+    renewals: Lane,
     table: String,
     timeout: Duration,
     sql: Sql,
+}
+
+/// A pool of connections, and the store's statements prepared on them (a connection's
+/// id is unique within its pool only, so each pool has its own).
+struct Lane {
+    pool: Pool,
     prepared: prepared::Prepared,
+}
+
+/// A pooled connection, and the lane it came from.
+struct Session<'l> {
+    object: deadpool_postgres::Object,
+    lane: &'l Lane,
+}
+
+impl std::ops::Deref for Session<'_> {
+    type Target = deadpool_postgres::Object;
+
+    fn deref(&self) -> &Self::Target {
+        &self.object
+    }
 }
 
 /// A result as text for the `result jsonb` column, or `None` if it is not UTF-8 or holds
@@ -248,7 +277,7 @@ impl PostgresStore {
     /// `deadpool_postgres`'s, whose version may change in any release.
     #[doc(hidden)]
     pub fn pool(&self) -> &Pool {
-        &self.inner.pool
+        &self.inner.calls.pool
     }
 }
 
@@ -266,18 +295,24 @@ impl PostgresStore {
     /// operation's future is moved into its own box and its timeout, and holding them
     /// in line made every move copy them all (a quarter of a hit's client
     /// instructions were `memcpy`).
-    async fn client(&self) -> Result<deadpool_postgres::Object, Error> {
-        Box::pin(self.inner.pool.get()).await.map_err(pg_error)
+    async fn client(&self) -> Result<Session<'_>, Error> {
+        self.session(&self.inner.calls).await
+    }
+
+    /// A connection of `lane`'s pool.
+    async fn session<'l>(&self, lane: &'l Lane) -> Result<Session<'l>, Error> {
+        let object = Box::pin(lane.pool.get()).await.map_err(pg_error)?;
+        Ok(Session { object, lane })
     }
 
     /// `sql` prepared on `client`: found by the connection and the statement's place
     /// when it is one of the store's own (see [`prepared`]).
     async fn prepare(
         &self,
-        client: &deadpool_postgres::Object,
+        client: &Session<'_>,
         sql: &str,
     ) -> Result<tokio_postgres::Statement, tokio_postgres::Error> {
-        self.inner.prepared.get(&self.inner.sql, client, sql).await
+        client.lane.prepared.get(&self.inner.sql, client, sql).await
     }
 
     /// Runs `sql`, prepared on `client`, with `run`. A session that lost its prepared
@@ -286,7 +321,7 @@ impl PostgresStore {
     /// did not have ran nothing.
     async fn on<'a, T>(
         &self,
-        client: &deadpool_postgres::Object,
+        client: &Session<'_>,
         sql: &str,
         run: impl Fn(Statement) -> Pending<'a, T>,
     ) -> Result<T, tokio_postgres::Error> {
@@ -294,7 +329,7 @@ impl PostgresStore {
         match run(stmt).await {
             Err(e) if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME) => {
                 tracing::debug!(table = %self.inner.table, error = %e, "idem: the session lost its prepared statements; preparing them again");
-                self.inner.prepared.forget(client);
+                client.lane.prepared.forget(client);
                 let stmt = Box::pin(self.prepare(client, sql)).await?;
                 run(stmt).await
             }
@@ -305,7 +340,7 @@ impl PostgresStore {
     /// Reads the record under `key` (expired or not) and the database time.
     async fn read(
         &self,
-        client: &deadpool_postgres::Object,
+        client: &Session<'_>,
         key: &Key,
     ) -> Result<(Option<Record>, Timestamp), Error> {
         let key_text = key.as_str();
@@ -319,12 +354,23 @@ impl PostgresStore {
         decode_read(key, &row)
     }
 
+    /// Runs `sql`, which modifies rows, on a connection for calls; returns how many.
     async fn modified(
         &self,
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, Error> {
-        let client = self.client().await?;
+        self.modified_on(&self.inner.calls, sql, params).await
+    }
+
+    /// Runs `sql`, which modifies rows, on a connection of `lane`; returns how many.
+    async fn modified_on(
+        &self,
+        lane: &Lane,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        let client = self.session(lane).await?;
         let client = &client;
         let execute = |stmt: Statement| -> Pending<'_, u64> {
             Box::pin(async move { client.execute(&stmt, params).await })

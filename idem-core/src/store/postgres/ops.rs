@@ -141,7 +141,8 @@ impl Store for PostgresStore {
     ) -> Result<Fenced, Error> {
         let token = token.0.to_be_bytes();
         let n = self
-            .bounded(self.modified(
+            .bounded(self.modified_on(
+                &self.inner.renewals,
                 &self.inner.sql.renew,
                 &[
                     &key.as_str(),
