@@ -3,7 +3,8 @@
 # (read from /proc, so the server must run on this machine), for a hit and a miss of
 # the claim statement, and of the same claim as a PL/pgSQL function (tried, not kept:
 # docs/performance.md), next to a plain SELECT of the same row; and a miss (claim,
-# then completion) on idem's table with and without its listing indexes, next to the
+# then completion) on idem's table with its indexes (the listings' of settled rows),
+# with listing indexes of every row (as before) and without any, next to the
 # throughput floor's.
 #
 #   IDEM_POSTGRES_URL=postgres://root@127.0.0.1/test benches/postgres_server.sh [ROUNDS [SCRIPT...]]
@@ -27,7 +28,7 @@ columns="r.fingerprint, r.state, r.token, $(ms r.lease_until), r.payload, $(ms r
 insert_columns="key, fingerprint, state, token, lease_until, payload, created_at, expires_at, run_id, tenant, call_id, tool, claimed_at, attempts, takeovers"
 values="now() + \$4::int8 * interval '1 millisecond', NULL, now(), now() + \$5::int8 * interval '1 millisecond'"
 
-table() { # name, with listing indexes (yes/no)
+table() { # name, listing indexes: settled (idem's), every (of every row, as before), none
     local t=idem_server_bench.$1
     echo "CREATE TABLE $t (key text PRIMARY KEY, fingerprint bytea NOT NULL, state smallint NOT NULL,
         token bytea NOT NULL, lease_until timestamptz, payload bytea, created_at timestamptz NOT NULL,
@@ -37,7 +38,10 @@ table() { # name, with listing indexes (yes/no)
     CREATE INDEX ON $t (expires_at);
     CREATE INDEX ON $t (lease_until) WHERE state = 0;
     CREATE INDEX ON $t (key) WHERE result IS NULL AND state <> 0;"
-    if [ "$2" = yes ]; then echo "CREATE INDEX ON $t (run_id, key); CREATE INDEX ON $t (tool, key);"; fi
+    case $2 in
+        settled) echo "CREATE INDEX ON $t (run_id, key) WHERE state <> 0; CREATE INDEX ON $t (tool, key) WHERE state <> 0;" ;;
+        every) echo "CREATE INDEX ON $t (run_id, key); CREATE INDEX ON $t (tool, key);" ;;
+    esac
     echo "INSERT INTO $t SELECT 'hit.' || g, sha256(g::text::bytea), 1, '\\x00112233445566778899aabbccddeeff',
         NULL, convert_to(repeat('x', 114), 'UTF8'), now(), now() + interval '1 day', 'run-1', NULL, NULL,
         'send_email', now(), now(), NULL, 1, 0, '{\"id\": 1}' FROM generate_series(1, 10000) AS g;
@@ -47,8 +51,9 @@ table() { # name, with listing indexes (yes/no)
 {
     echo "SET client_min_messages = warning;"
     echo "DROP SCHEMA IF EXISTS idem_server_bench CASCADE; CREATE SCHEMA idem_server_bench;"
-    table records yes
-    table unlisted no
+    table records settled
+    table listed_every_row every
+    table unlisted none
     echo "CREATE TABLE idem_server_bench.floor (k text PRIMARY KEY, v bytea);"
     echo "CREATE FUNCTION idem_server_bench.claim(text, bytea, bytea, int8, int8, text, text, text, text,
         OUT o_fingerprint bytea, OUT o_state smallint, OUT o_token bytea, OUT o_lease int8,
@@ -93,6 +98,7 @@ printf '%s\nSELECT * FROM idem_server_bench.claim(%s, %s);\n' "$hit" "'hit.' || 
 printf '%s\n%s\n' "$miss" "$(cte "'claim.' || :k")" >"$work/miss_statement.sql"
 printf '%s\nSELECT * FROM idem_server_bench.claim(%s, %s);\n' "$miss" "'claim.' || :k" "$args" >"$work/miss_function.sql"
 completed_miss records >"$work/miss_all_indexes.sql"
+completed_miss listed_every_row >"$work/miss_every_row_listed.sql"
 completed_miss unlisted >"$work/miss_no_listing_indexes.sql"
 printf '%s\nINSERT INTO idem_server_bench.floor VALUES (%s, convert_to(repeat(%s, 78), %s));\nUPDATE idem_server_bench.floor SET v = convert_to(repeat(%s, 114), %s) WHERE k = %s;\n' \
     "$miss" "'miss.' || :k" "'x'" "'UTF8'" "'x'" "'UTF8'" "'miss.' || :k" >"$work/miss_floor.sql"
@@ -105,7 +111,10 @@ cpu() {
     while [ -z "$pid" ] && kill -0 "$bench" 2>/dev/null; do
         pid=$(psql -Atq "$url" -c "SELECT pid FROM pg_stat_activity WHERE application_name = '$name'" | head -1)
     done
-    if [ -n "$pid" ] && [ ! -r "/proc/$pid/stat" ] && kill -0 "$bench" 2>/dev/null; then
+    # A backend still at work that /proc does not show runs on another machine (one
+    # that ended meanwhile is simply gone).
+    if [ -n "$pid" ] && [ ! -r "/proc/$pid/stat" ] &&
+        [ -n "$(psql -Atq "$url" -c "SELECT 1 FROM pg_stat_activity WHERE pid = $pid")" ]; then
         echo "the server's backend $pid is not a process of this machine" >&2
         exit 1
     fi
@@ -119,7 +128,7 @@ cpu() {
     echo $((last * 1000000 / $(getconf CLK_TCK) / n))
 }
 
-scripts=(select hit_statement hit_function miss_statement miss_function miss_floor miss_all_indexes miss_no_listing_indexes)
+scripts=(select hit_statement hit_function miss_statement miss_function miss_floor miss_all_indexes miss_every_row_listed miss_no_listing_indexes)
 if [ $# -gt 0 ]; then scripts=("$@"); fi
 for _ in $(seq "$rounds"); do
     for s in "${scripts[@]}"; do echo "$s $(cpu "$work/$s.sql")"; done

@@ -324,6 +324,117 @@ async fn postgres_statements_find_their_row_by_key_whatever_the_statistics() {
     drop_table(&url, &table).await;
 }
 
+/// Listings by run and by tool, and a run's counts, read the listings' indexes of
+/// settled rows and the in-progress index, never the whole table: among 40,000 rows of
+/// other runs and tools, a run's 5 completed and 3 running records are listed, page by
+/// page, without a sequential scan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_listings_by_run_and_tool_read_their_indexes() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_listed");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let run_id = unique("run");
+    let run = Run::new(run_id.clone()).with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    for n in 0..5 {
+        call_counted(&run, &ran, n, n).await.unwrap();
+    }
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO {table} (key, fingerprint, state, token, lease_until, payload, \
+                 created_at, expires_at, run_id, tool) \
+             SELECT 'other_tool.' || g, '\\x00', 1, '\\x00', NULL, '\\x00', now(), \
+                 now() + interval '1 day', 'other-' || (g % 100), 'other_tool' \
+             FROM generate_series(1, 40000) AS g"
+        ))
+        .await
+        .unwrap();
+    // Three calls of the run still running.
+    for n in 0..3u8 {
+        let request = ClaimRequest {
+            origin: idem_core::store::Origin::new(run_id.as_str(), "send_email"),
+            fingerprint: Fingerprint::from_bytes([n; 32]),
+            token: Token::generate().unwrap(),
+            lease: Duration::from_secs(600),
+            ttl: Duration::from_secs(600),
+            take_over_expired: true,
+            retry_failed: true,
+        };
+        let key = Key::of("send_email", &request.fingerprint);
+        let claim = store.claim(&key, &request).await.unwrap();
+        assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+    }
+    admin
+        .batch_execute(&format!("VACUUM ANALYZE {table}"))
+        .await
+        .unwrap();
+    let scans = format!(
+        "SELECT t.seq_scan, \
+             (SELECT coalesce(sum(idx_scan), 0)::int8 FROM pg_stat_user_indexes i \
+              WHERE i.relid = t.relid AND i.indexrelname LIKE '%\\_settled\\_run'), \
+             (SELECT coalesce(sum(idx_scan), 0)::int8 FROM pg_stat_user_indexes i \
+              WHERE i.relid = t.relid AND i.indexrelname LIKE '%\\_settled\\_tool') \
+         FROM pg_stat_user_tables t WHERE t.relid = '{table}'::regclass"
+    );
+    let read = |row: tokio_postgres::Row| -> [i64; 3] { [row.get(0), row.get(1), row.get(2)] };
+    let before = read(admin.query_one(&scans, &[]).await.unwrap());
+
+    let by_run = idem_core::store::Filter {
+        run_id: Some(run_id.clone()),
+        ..Default::default()
+    };
+    let by_tool = idem_core::store::Filter {
+        tool: Some("send_email".into()),
+        ..Default::default()
+    };
+    for filter in [&by_run, &by_tool] {
+        let (mut listed, mut after) = (Vec::new(), None);
+        loop {
+            let page = store.list(filter, after.as_ref(), 3).await.unwrap();
+            listed.extend(page.records.into_iter().map(|r| r.key));
+            match page.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(listed.len(), 8, "{filter:?} listed {listed:?}");
+        assert!(
+            listed.windows(2).all(|w| w[0] < w[1]),
+            "in key order: {listed:?}"
+        );
+    }
+    let counts = store.count(&by_run).await.unwrap();
+    assert_eq!((counts.completed, counts.running), (5, 3), "{counts:?}");
+
+    // A backend reports its statistics as it ends: closing the store's connections
+    // ends theirs.
+    drop((run, store));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let [seq, run_scans, tool_scans] = loop {
+        let now = read(admin.query_one(&scans, &[]).await.unwrap());
+        let moved = [now[0] - before[0], now[1] - before[1], now[2] - before[2]];
+        if (moved[1] > 0 && moved[2] > 0) || Instant::now() > deadline {
+            break moved;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        run_scans > 0 && tool_scans > 0,
+        "index scans: run {run_scans}, tool {tool_scans}"
+    );
+    assert_eq!(seq, 0, "sequential scans of the table");
+    drop_table(&url, &table).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_store_conforms() {
     let Some(url) = redis_url() else { return };

@@ -609,6 +609,56 @@ async fn postgres_a_failed_migration_spoils_no_connection() {
         .unwrap();
 }
 
+/// A table with the listings' indexes of every row (by run and by tool, as earlier
+/// builds made them) has them replaced by the indexes of settled rows: `migrate()`
+/// builds those and drops the old ones, and the table's records are listed as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_listing_indexes_of_every_row_are_replaced_by_those_of_settled_rows() {
+    let Some(url) = env("IDEM_POSTGRES_URL") else {
+        return;
+    };
+    let t = unique("idem_reindexed");
+    let store = PostgresStore::builder(&url).table(&t).build().unwrap();
+    store.migrate().await.unwrap();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!(
+            "DROP INDEX {t}_settled_run; DROP INDEX {t}_settled_tool; \
+             CREATE INDEX {t}_run ON {t} (run_id, key); CREATE INDEX {t}_tool ON {t} (tool, key)"
+        ))
+        .await
+        .unwrap();
+    let run = Run::new(unique("run")).with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    assert_eq!(send(&run, 1, &ran).await.unwrap(), "fresh-1");
+    store.migrate().await.unwrap();
+    let indexes = format!(
+        "SELECT string_agg(substr(indexrelid::regclass::text, {}) || ':' || indisvalid, ' ' \
+             ORDER BY indexrelid::regclass::text) FROM pg_index WHERE indrelid = '{t}'::regclass",
+        t.len() + 2
+    );
+    let listed: String = client.query_one(&indexes, &[]).await.unwrap().get(0);
+    assert_eq!(
+        listed,
+        "expires_at:true in_progress:true pkey:true settled_run:true settled_tool:true unfilled:true"
+    );
+    let filter = Filter {
+        run_id: Some(run.id().to_owned()),
+        ..Filter::default()
+    };
+    let page = store.list(&filter, None, 10).await.unwrap();
+    assert_eq!(page.records.len(), 1);
+    assert_eq!(send(&run, 1, &ran).await.unwrap(), "fresh-1");
+    assert_eq!(ran.load(SeqCst), 1);
+    client
+        .batch_execute(&format!("DROP TABLE {t}"))
+        .await
+        .unwrap();
+}
+
 /// A table name of the longest Postgres takes (63 bytes) still gets every index.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_long_table_name_gets_every_index() {

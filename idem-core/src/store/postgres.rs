@@ -67,12 +67,15 @@ const STORE: &str = "postgres";
 /// CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at);
 /// ```
 ///
-/// and the listings' indexes: `(run_id, key)`, `(tool, key)`, `(lease_until) WHERE state
-/// = 0`, and `(key) WHERE result IS NULL AND state <> 0` (results still to fill). A new
-/// table gets them as it is made; an existing one, concurrently, by one worker, in the
-/// background of `connect` (which returns within the store's timeout: `CREATE INDEX
-/// CONCURRENTLY` waits for every older transaction in the database), or waited for by
-/// `migrate()`. A result `jsonb` refuses (a `\u0000` escape, a
+/// and the listings' indexes: `(run_id, key) WHERE state <> 0` and `(tool, key) WHERE
+/// state <> 0` (settled rows: a claim adds no entry to them, so a miss adds one to
+/// each, not two; a listing reads the rows in progress through the next one),
+/// `(lease_until) WHERE state = 0`, and `(key) WHERE result IS NULL AND state <> 0`
+/// (results still to fill). A new table gets them as it is made; an existing one,
+/// concurrently, by one worker, in the background of `connect` (which returns within
+/// the store's timeout: `CREATE INDEX CONCURRENTLY` waits for every older transaction
+/// in the database), or waited for by `migrate()`; the run and tool indexes of every
+/// row that earlier builds made are then dropped, concurrently too. A result `jsonb` refuses (a `\u0000` escape, a
 /// number beyond `numeric`) fails the completion's statement, which is then made again
 /// with `result` NULL: no result fails its completion. A table of idem 0.1 (without the metadata) is
 /// upgraded in place: each step runs only when its object is missing, the columns are

@@ -20,15 +20,19 @@ attempts     integer     NOT NULL DEFAULT 0,
 takeovers    integer     NOT NULL DEFAULT 0,
 result       jsonb";
 
-/// The indexes of the operators' listings: by run, by tool (each in key order, as
-/// pages are read), and the claims in progress by lease (stuck calls); and the rows
-/// whose `result` is still to fill.
+/// The indexes of the operators' listings: the settled rows by run and by tool (each
+/// in key order, as pages are read), and the claims in progress by lease (stuck calls,
+/// and every listing's rows in progress); and the rows whose `result` is still to fill.
 pub(super) const INDEXES: [(&str, &str); 4] = [
-    ("run", "(run_id, key)"),
-    ("tool", "(tool, key)"),
+    ("settled_run", "(run_id, key) WHERE state <> 0"),
+    ("settled_tool", "(tool, key) WHERE state <> 0"),
     ("in_progress", "(lease_until) WHERE state = 0"),
     ("unfilled", "(key) WHERE result IS NULL AND state <> 0"),
 ];
+
+/// The indexes of earlier versions that [`INDEXES`] replace (by run and by tool, of every
+/// row: each miss added two entries to each), dropped once those are built.
+pub(super) const REPLACED: [&str; 2] = ["run", "tool"];
 
 /// The bound on each step of a migration: building an index on a large table takes
 /// longer than an operation's timeout.
@@ -262,6 +266,18 @@ impl PostgresStore {
             }
             let build = format!("CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {t} {columns}");
             net::bounded(STORE, MIGRATE_TIMEOUT, batch(build)).await?;
+        }
+        for suffix in REPLACED {
+            let (_, qualified) = index_name(t, base, suffix);
+            let exists = format!("SELECT to_regclass('{qualified}') IS NOT NULL");
+            let row = self
+                .bounded(async { client.query_one(&exists, &[]).await.map_err(pg_error) })
+                .await?;
+            if row.try_get::<_, bool>(0).map_err(pg_error)? {
+                let drop = format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}");
+                net::bounded(STORE, MIGRATE_TIMEOUT, batch(drop)).await?;
+                tracing::info!(table = %t, index = %qualified, "idem: dropped an index that one of settled rows replaces");
+            }
         }
         self.fill_results(client).await
     }

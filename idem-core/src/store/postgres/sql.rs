@@ -182,31 +182,49 @@ impl Sql {
         params.push(None::<String>);
         params.push(0i64);
         let conditions = conditions(filter, &mut params);
-        let sql = format!(
-            "SELECT r.key, {columns}, {now} FROM {t} AS r \
-             WHERE r.expires_at > now() AND ($1::text IS NULL OR r.key > $1) {conditions} \
-             ORDER BY r.key LIMIT $2",
-            columns = columns(),
-            now = ms("now()"),
-            t = self.table,
-        );
-        (sql, params)
+        let rows = settled_and_in_progress(|state| {
+            format!(
+                "SELECT r.key, {columns}, {now} FROM {t} AS r \
+                 WHERE {state} AND r.expires_at > now() AND ($1::text IS NULL OR r.key > $1) \
+                 {conditions} ORDER BY r.key LIMIT $2",
+                columns = columns(),
+                now = ms("now()"),
+                t = self.table,
+            )
+        });
+        (
+            format!("SELECT * FROM ({rows}) AS page ORDER BY 1 LIMIT $2"),
+            params,
+        )
     }
 
     /// The counts by state of the rows matching `filter`.
     pub(super) fn count(&self, filter: &Filter) -> (String, Params) {
         let mut params = Params::default();
         let conditions = conditions(filter, &mut params);
-        let count = |kind| format!("count(*) FILTER (WHERE {})", state_condition(kind));
-        let sql = format!(
-            "SELECT {}, {}, {}, {} FROM {t} AS r WHERE r.expires_at > now() {conditions}",
-            count(StateKind::Running),
-            count(StateKind::Abandoned),
-            count(StateKind::Completed),
-            count(StateKind::Failed),
-            t = self.table,
-        );
-        (sql, params)
+        let kinds = [
+            StateKind::Running,
+            StateKind::Abandoned,
+            StateKind::Completed,
+            StateKind::Failed,
+        ];
+        let counts = kinds
+            .iter()
+            .enumerate()
+            .map(|(i, kind)| format!("count(*) FILTER (WHERE {}) AS n{i}", state_condition(*kind)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sums = (0..kinds.len())
+            .map(|i| format!("sum(n{i})::int8"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let rows = settled_and_in_progress(|state| {
+            format!(
+                "SELECT {counts} FROM {t} AS r WHERE {state} AND r.expires_at > now() {conditions}",
+                t = self.table,
+            )
+        });
+        (format!("SELECT {sums} FROM ({rows}) AS counted"), params)
     }
 
     /// One batch of deleting the rows matching `filter`: at most `$1` of them.
@@ -215,13 +233,32 @@ impl Sql {
         params.push(PURGE_BATCH);
         let conditions = conditions(filter, &mut params);
         let t = &self.table;
+        let rows = settled_and_in_progress(|state| {
+            format!(
+                "SELECT r.ctid FROM {t} AS r WHERE {state} AND r.expires_at > now() {conditions} \
+                 LIMIT $1"
+            )
+        });
         let sql = format!(
             "WITH gone AS (DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT r.ctid FROM {t} AS r WHERE r.expires_at > now() {conditions} LIMIT $1)) \
+                 SELECT ctid FROM ({rows}) AS matching LIMIT $1)) \
              RETURNING 1) SELECT count(*) FROM gone"
         );
         (sql, params)
     }
+}
+
+/// `select`, a statement with `{state}` where a condition on the row's state goes, made
+/// twice: for the settled rows, and for the rows in progress, as one `UNION ALL`. The
+/// listings' indexes (by run, by tool) hold settled rows only, so a claim adds no entry
+/// to them and a miss adds one to each, not two; the rows in progress are found by the
+/// in-progress index.
+fn settled_and_in_progress(select: impl Fn(&str) -> String) -> String {
+    format!(
+        "({}) UNION ALL ({})",
+        select("r.state <> 0"),
+        select("r.state = 0")
+    )
 }
 
 /// The columns of a record, as `decode_row` reads them (a row of table `r`).
