@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Row, Statement};
 
@@ -159,10 +160,12 @@ const STORE: &str = "postgres";
 ///
 /// # Failures
 ///
-/// A running call's renewals go through two connections of their own (opened on the
-/// first renewal, beside the `max_connections` of the pool every other operation
-/// uses): a pool busy with other calls' claims and completions never holds a live
-/// call's renewal past its lease, where another worker would take the claim over.
+/// A running call's renewals do not queue behind other calls for a pooled connection:
+/// calls wait for their turn before they ask the pool, one turn per connection, and a
+/// renewal asks the pool at once. It waits behind as many calls at most as renewals
+/// hold connections, never behind a burst of thousands of claims, so a busy pool does
+/// not hold a live call's renewal past its lease, where another worker would take the
+/// claim over. The store opens no connection beyond `max_connections`.
 ///
 /// A pooled session that lost its prepared statements (`DISCARD ALL`, `DEALLOCATE`,
 /// run by hand or by a pooler) has them prepared again the first time a statement
@@ -179,27 +182,24 @@ pub struct PostgresStore {
 }
 
 struct Inner {
-    /// Every operation's connections but a renewal's.
-    calls: Lane,
-    /// A running call's renewals: connections of their own, so a pool busy with other
-    /// calls' claims and completions never holds a renewal past its lease.
-    renewals: Lane,
+    pool: Pool,
+    /// Turns at the pool for every operation but a renewal, one per connection: calls
+    /// queue here, not in the pool's own queue, so a renewal asks the pool behind as
+    /// many calls at most as renewals hold connections, never behind every call waiting.
+    calls: Semaphore,
     table: String,
     timeout: Duration,
     sql: Sql,
-}
-
-/// A pool of connections, and the store's statements prepared on them (a connection's
-/// id is unique within its pool only, so each pool has its own).
-struct Lane {
-    pool: Pool,
     prepared: prepared::Prepared,
 }
 
-/// A pooled connection, and the lane it came from.
-struct Session<'l> {
+/// A pooled connection, with the turn at the pool it was taken with (none for a
+/// renewal's).
+struct Session<'a> {
+    /// Declared first, so that it goes back to the pool (to a renewal that waits there)
+    /// before the turn goes to the next call.
     object: deadpool_postgres::Object,
-    lane: &'l Lane,
+    _turn: Option<SemaphorePermit<'a>>,
 }
 
 impl std::ops::Deref for Session<'_> {
@@ -280,7 +280,7 @@ impl PostgresStore {
     /// `deadpool_postgres`'s, whose version may change in any release.
     #[doc(hidden)]
     pub fn pool(&self) -> &Pool {
-        &self.inner.calls.pool
+        &self.inner.pool
     }
 }
 
@@ -299,13 +299,24 @@ impl PostgresStore {
     /// in line made every move copy them all (a quarter of a hit's client
     /// instructions were `memcpy`).
     async fn client(&self) -> Result<Session<'_>, Error> {
-        self.session(&self.inner.calls).await
+        let turn = self.inner.calls.acquire().await.map_err(pg_error)?;
+        let object = Box::pin(self.inner.pool.get()).await.map_err(pg_error)?;
+        Ok(Session {
+            object,
+            _turn: Some(turn),
+        })
     }
 
-    /// A connection of `lane`'s pool.
-    async fn session<'l>(&self, lane: &'l Lane) -> Result<Session<'l>, Error> {
-        let object = Box::pin(lane.pool.get()).await.map_err(pg_error)?;
-        Ok(Session { object, lane })
+    /// A pooled connection for a running call's renewal, asked of the pool without
+    /// queueing behind the calls (see [`Inner::calls`]): a pool busy with a burst of
+    /// claims and completions does not hold a renewal past its lease, where another
+    /// worker would take the live call's claim over.
+    async fn renewal_client(&self) -> Result<Session<'_>, Error> {
+        let object = Box::pin(self.inner.pool.get()).await.map_err(pg_error)?;
+        Ok(Session {
+            object,
+            _turn: None,
+        })
     }
 
     /// `sql` prepared on `client`: found by the connection and the statement's place
@@ -315,7 +326,7 @@ impl PostgresStore {
         client: &Session<'_>,
         sql: &str,
     ) -> Result<tokio_postgres::Statement, tokio_postgres::Error> {
-        client.lane.prepared.get(&self.inner.sql, client, sql).await
+        self.inner.prepared.get(&self.inner.sql, client, sql).await
     }
 
     /// Runs `sql`, prepared on `client`, with `run`. A session that lost its prepared
@@ -332,7 +343,7 @@ impl PostgresStore {
         match run(stmt).await {
             Err(e) if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME) => {
                 tracing::debug!(table = %self.inner.table, error = %e, "idem: the session lost its prepared statements; preparing them again");
-                client.lane.prepared.forget(client);
+                self.inner.prepared.forget(client);
                 let stmt = Box::pin(self.prepare(client, sql)).await?;
                 run(stmt).await
             }
@@ -357,24 +368,33 @@ impl PostgresStore {
         decode_read(key, &row)
     }
 
-    /// Runs `sql`, which modifies rows, on a connection for calls; returns how many.
+    /// Runs `sql`, which modifies rows; returns how many.
     async fn modified(
         &self,
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, Error> {
-        self.modified_on(&self.inner.calls, sql, params).await
+        self.execute(&self.client().await?, sql, params).await
     }
 
-    /// Runs `sql`, which modifies rows, on a connection of `lane`; returns how many.
-    async fn modified_on(
+    /// Runs `sql`, a renewal's, on a connection taken ahead of the calls waiting for
+    /// one (see [`Self::renewal_client`]); returns how many rows it modified.
+    async fn renewed(
         &self,
-        lane: &Lane,
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, Error> {
-        let client = self.session(lane).await?;
-        let client = &client;
+        self.execute(&self.renewal_client().await?, sql, params)
+            .await
+    }
+
+    /// Runs `sql`, which modifies rows, on `client`; returns how many.
+    async fn execute(
+        &self,
+        client: &Session<'_>,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, Error> {
         let execute = |stmt: Statement| -> Pending<'_, u64> {
             Box::pin(async move { client.execute(&stmt, params).await })
         };

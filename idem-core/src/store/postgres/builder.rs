@@ -4,16 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio::sync::Semaphore;
 use tokio_postgres::NoTls;
 
 use super::sql::Sql;
-use super::{Inner, Lane, PostgresStore, STORE};
+use super::{Inner, PostgresStore, STORE};
 use crate::error::{Error, StoreErrorKind};
-
-/// The connections a store keeps for renewals, beside its pool's: opened on the first
-/// renewal, so a store whose calls all end within a third of their lease never opens
-/// them. Two, so a renewal that waits on a row lock holds up the others less.
-const RENEWAL_CONNECTIONS: usize = 2;
 
 /// Configures a [`PostgresStore`]: table name, timeout, pool size.
 #[derive(Debug, Clone)]
@@ -48,10 +44,8 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The most connections the store's pool opens for calls (16 by default). A
-    /// running call's renewals have two connections of their own beside them, opened
-    /// on the first renewal: a pool busy with other calls' claims and completions never
-    /// holds a renewal past its lease.
+    /// The most connections the store's pool opens (16 by default). A running call's
+    /// renewals take the next one free ahead of the other calls waiting.
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.max(1);
         self
@@ -71,34 +65,29 @@ impl PostgresStoreBuilder {
         config.connect_timeout(self.timeout);
         config.keepalives(true);
         config.keepalives_idle(Duration::from_secs(30));
-        let lane = |size| -> Result<Lane, Error> {
-            let manager = Manager::from_config(
-                config.clone(),
-                NoTls,
-                ManagerConfig {
-                    recycling_method: RecyclingMethod::Fast,
-                },
-            );
-            let pool = Pool::builder(manager)
-                .max_size(size)
-                .wait_timeout(Some(self.timeout))
-                .create_timeout(Some(self.timeout))
-                .recycle_timeout(Some(self.timeout))
-                .runtime(Runtime::Tokio1)
-                .build()
-                .map_err(|e| Error::store(STORE, e))?;
-            Ok(Lane {
-                pool,
-                prepared: Default::default(),
-            })
-        };
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(self.max_connections)
+            .wait_timeout(Some(self.timeout))
+            .create_timeout(Some(self.timeout))
+            .recycle_timeout(Some(self.timeout))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| Error::store(STORE, e))?;
         Ok(PostgresStore {
             inner: Arc::new(Inner {
-                calls: lane(self.max_connections)?,
-                renewals: lane(RENEWAL_CONNECTIONS)?,
+                pool,
+                calls: Semaphore::new(self.max_connections),
                 sql: Sql::new(&table),
                 table,
                 timeout: self.timeout,
+                prepared: Default::default(),
             }),
         })
     }
