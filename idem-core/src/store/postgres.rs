@@ -76,12 +76,13 @@ const STORE: &str = "postgres";
 /// concurrently, by one worker, in the background of `connect` (which returns within
 /// the store's timeout: `CREATE INDEX CONCURRENTLY` waits for every older transaction
 /// in the database), or waited for by `migrate()`; the run and tool indexes of every
-/// row that earlier builds made are then dropped, concurrently too. A result `jsonb` refuses (a `\u0000` escape, a
-/// number beyond `numeric`) fails the completion's statement, which is then made again
-/// with `result` NULL: no result fails its completion. A table of idem 0.1 (without the metadata) is
-/// upgraded in place: each step runs only when its object is missing, the columns are
-/// added without a rewrite under a lock given up after the timeout, and results are
-/// filled 1,000 rows a statement (`docs/operations.md`).
+/// row that earlier builds made are then dropped, concurrently too. A result `jsonb`
+/// refuses (a `\u0000` escape, a number beyond `numeric`) fails the completion's
+/// statement, which is then made again with `result` NULL: no result fails its
+/// completion. A table of idem 0.1 (without the metadata) is upgraded in place: each
+/// step runs only when its object is missing, the columns are added without a rewrite
+/// under a lock given up after the timeout, and results are filled 1,000 rows a
+/// statement (`docs/operations.md`).
 ///
 /// # Statements
 ///
