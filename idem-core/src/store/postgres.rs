@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Row, Statement};
 
@@ -161,13 +160,6 @@ const STORE: &str = "postgres";
 ///
 /// # Failures
 ///
-/// A running call's renewals do not queue behind other calls for a pooled connection:
-/// calls wait for their turn before they ask the pool, one turn per connection, and a
-/// renewal asks the pool at once. It waits behind as many calls at most as renewals
-/// hold connections, never behind a burst of thousands of claims, so a busy pool does
-/// not hold a live call's renewal past its lease, where another worker would take the
-/// claim over. The store opens no connection beyond `max_connections`.
-///
 /// A pooled session that lost its prepared statements (`DISCARD ALL`, `DEALLOCATE`,
 /// run by hand or by a pooler) has them prepared again the first time a statement
 /// meets their absence; that statement then runs once more (one the session did not
@@ -184,31 +176,10 @@ pub struct PostgresStore {
 
 struct Inner {
     pool: Pool,
-    /// Turns at the pool for every operation but a renewal, one per connection: calls
-    /// queue here, not in the pool's own queue, so a renewal asks the pool behind as
-    /// many calls at most as renewals hold connections, never behind every call waiting.
-    calls: Semaphore,
     table: String,
     timeout: Duration,
     sql: Sql,
     prepared: prepared::Prepared,
-}
-
-/// A pooled connection, with the turn at the pool it was taken with (none for a
-/// renewal's).
-struct Session<'a> {
-    /// Declared first, so that it goes back to the pool (to a renewal that waits there)
-    /// before the turn goes to the next call.
-    object: deadpool_postgres::Object,
-    _turn: Option<SemaphorePermit<'a>>,
-}
-
-impl std::ops::Deref for Session<'_> {
-    type Target = deadpool_postgres::Object;
-
-    fn deref(&self) -> &Self::Target {
-        &self.object
-    }
 }
 
 /// A result as text for the `result jsonb` column, or `None` if it is not UTF-8 or holds
@@ -299,32 +270,15 @@ impl PostgresStore {
     /// operation's future is moved into its own box and its timeout, and holding them
     /// in line made every move copy them all (a quarter of a hit's client
     /// instructions were `memcpy`).
-    async fn client(&self) -> Result<Session<'_>, Error> {
-        let turn = self.inner.calls.acquire().await.map_err(pg_error)?;
-        let object = Box::pin(self.inner.pool.get()).await.map_err(pg_error)?;
-        Ok(Session {
-            object,
-            _turn: Some(turn),
-        })
-    }
-
-    /// A pooled connection for a running call's renewal, asked of the pool without
-    /// queueing behind the calls (see [`Inner::calls`]): a pool busy with a burst of
-    /// claims and completions does not hold a renewal past its lease, where another
-    /// worker would take the live call's claim over.
-    async fn renewal_client(&self) -> Result<Session<'_>, Error> {
-        let object = Box::pin(self.inner.pool.get()).await.map_err(pg_error)?;
-        Ok(Session {
-            object,
-            _turn: None,
-        })
+    async fn client(&self) -> Result<deadpool_postgres::Object, Error> {
+        Box::pin(self.inner.pool.get()).await.map_err(pg_error)
     }
 
     /// `sql` prepared on `client`: found by the connection and the statement's place
     /// when it is one of the store's own (see [`prepared`]).
     async fn prepare(
         &self,
-        client: &Session<'_>,
+        client: &deadpool_postgres::Object,
         sql: &str,
     ) -> Result<tokio_postgres::Statement, tokio_postgres::Error> {
         self.inner.prepared.get(&self.inner.sql, client, sql).await
@@ -336,7 +290,7 @@ impl PostgresStore {
     /// did not have ran nothing.
     async fn on<'a, T>(
         &self,
-        client: &Session<'_>,
+        client: &deadpool_postgres::Object,
         sql: &str,
         run: impl Fn(Statement) -> Pending<'a, T>,
     ) -> Result<T, tokio_postgres::Error> {
@@ -355,7 +309,7 @@ impl PostgresStore {
     /// Reads the record under `key` (expired or not) and the database time.
     async fn read(
         &self,
-        client: &Session<'_>,
+        client: &deadpool_postgres::Object,
         key: &Key,
     ) -> Result<(Option<Record>, Timestamp), Error> {
         let key_text = key.as_str();
@@ -369,33 +323,13 @@ impl PostgresStore {
         decode_read(key, &row)
     }
 
-    /// Runs `sql`, which modifies rows; returns how many.
     async fn modified(
         &self,
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, Error> {
-        self.execute(&self.client().await?, sql, params).await
-    }
-
-    /// Runs `sql`, a renewal's, on a connection taken ahead of the calls waiting for
-    /// one (see [`Self::renewal_client`]); returns how many rows it modified.
-    async fn renewed(
-        &self,
-        sql: &str,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<u64, Error> {
-        self.execute(&self.renewal_client().await?, sql, params)
-            .await
-    }
-
-    /// Runs `sql`, which modifies rows, on `client`; returns how many.
-    async fn execute(
-        &self,
-        client: &Session<'_>,
-        sql: &str,
-        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-    ) -> Result<u64, Error> {
+        let client = self.client().await?;
+        let client = &client;
         let execute = |stmt: Statement| -> Pending<'_, u64> {
             Box::pin(async move { client.execute(&stmt, params).await })
         };

@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio::sync::Semaphore;
 use tokio_postgres::NoTls;
 
 use super::sql::Sql;
@@ -44,8 +43,7 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The most connections the store's pool opens (16 by default). A running call's
-    /// renewals take the next one free ahead of the other calls waiting.
+    /// The most connections the store's pool opens (16 by default).
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.max(1);
         self
@@ -83,7 +81,6 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             inner: Arc::new(Inner {
                 pool,
-                calls: Semaphore::new(self.max_connections),
                 sql: Sql::new(&table),
                 table,
                 timeout: self.timeout,

@@ -141,7 +141,7 @@ impl Store for PostgresStore {
     ) -> Result<Fenced, Error> {
         let token = token.0.to_be_bytes();
         let n = self
-            .bounded(self.renewed(
+            .bounded(self.modified(
                 &self.inner.sql.renew,
                 &[
                     &key.as_str(),
