@@ -274,16 +274,20 @@ async fn postgres_statements_find_their_row_by_key_whatever_the_statistics() {
 async fn postgres_listings_by_run_and_tool_read_their_indexes() {
     let Some(url) = postgres_url() else { return };
     let table = unique("idem_listed");
-    // The rows are made through a store of their own, whose sessions are gone (and
-    // have reported their scans: a plan on the new, small table reads all of it)
-    // before the listings' are counted. Built, then migrated: no index build or result
-    // fill of `connect`'s runs in the background.
-    let setup_name = unique("idem_listed_setup");
-    let sep = if url.contains('?') { '&' } else { '?' };
-    let store = PostgresStore::builder(&format!("{url}{sep}application_name={setup_name}"))
-        .table(&table)
-        .build()
-        .unwrap();
+    // Each store works in sessions named for it, which report their scans as they end
+    // (before they leave `pg_stat_activity`). The rows are made through a store of
+    // their own, whose sessions are gone before the listings' scans are counted: a plan
+    // on the new, small table reads all of it. Built, then migrated: no index build or
+    // result fill of `connect`'s runs in the background.
+    let named = |name: &str| {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        PostgresStore::builder(&format!("{url}{sep}application_name={name}"))
+            .table(&table)
+            .build()
+            .unwrap()
+    };
+    let (setup_name, lister_name) = (unique("idem_listed_setup"), unique("idem_listed"));
+    let store = named(&setup_name);
     store.migrate().await.unwrap();
     let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
@@ -321,26 +325,32 @@ async fn postgres_listings_by_run_and_tool_read_their_indexes() {
         assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
     }
     drop((run, store));
-    let sessions = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1";
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while admin
-        .query_one(sessions, &[&setup_name])
-        .await
-        .unwrap()
-        .get::<_, i64>(0)
-        > 0
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the setup's sessions never ended"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let gone = |name: String| {
+        let admin = &admin;
+        async move {
+            let sessions = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1";
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while admin
+                .query_one(sessions, &[&name])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                > 0
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "the sessions of {name} never ended"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    gone(setup_name).await;
     admin
         .batch_execute(&format!("VACUUM ANALYZE {table}"))
         .await
         .unwrap();
-    let store = PostgresStore::builder(&url).table(&table).build().unwrap();
+    let store = named(&lister_name);
     let scans = format!(
         "SELECT t.seq_scan, \
              (SELECT coalesce(sum(idx_scan), 0)::int8 FROM pg_stat_user_indexes i \
@@ -379,18 +389,11 @@ async fn postgres_listings_by_run_and_tool_read_their_indexes() {
     let counts = store.count(&by_run).await.unwrap();
     assert_eq!((counts.completed, counts.running), (5, 3), "{counts:?}");
 
-    // A backend reports its statistics as it ends: closing the store's connections
-    // ends theirs.
+    // Every session of the listings' store has ended, and reported its scans.
     drop(store);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let [seq, run_scans, tool_scans] = loop {
-        let now = read(admin.query_one(&scans, &[]).await.unwrap());
-        let moved = [now[0] - before[0], now[1] - before[1], now[2] - before[2]];
-        if (moved[1] > 0 && moved[2] > 0) || Instant::now() > deadline {
-            break moved;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    gone(lister_name).await;
+    let now = read(admin.query_one(&scans, &[]).await.unwrap());
+    let [seq, run_scans, tool_scans] = [now[0] - before[0], now[1] - before[1], now[2] - before[2]];
     assert!(
         run_scans > 0 && tool_scans > 0,
         "index scans: run {run_scans}, tool {tool_scans}"

@@ -202,19 +202,14 @@ impl Sql {
     pub(super) fn count(&self, filter: &Filter) -> (String, Params) {
         let mut params = Params::default();
         let conditions = conditions(filter, &mut params);
-        let kinds = [
-            StateKind::Running,
-            StateKind::Abandoned,
-            StateKind::Completed,
-            StateKind::Failed,
-        ];
-        let counts = kinds
+        // In the order `count` reads them: running, abandoned, completed, failed.
+        let counts = StateKind::ALL
             .iter()
             .enumerate()
             .map(|(i, kind)| format!("count(*) FILTER (WHERE {}) AS n{i}", state_condition(*kind)))
             .collect::<Vec<_>>()
             .join(", ");
-        let sums = (0..kinds.len())
+        let sums = (0..StateKind::ALL.len())
             .map(|i| format!("sum(n{i})::int8"))
             .collect::<Vec<_>>()
             .join(", ");
