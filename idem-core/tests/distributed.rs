@@ -171,6 +171,205 @@ async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_agai
     drop_table(&url, &table).await;
 }
 
+/// A running call's renewals do not queue behind a burst of other calls for a pooled
+/// connection: with 3,000 calls (replays) flooding a pool of one connection while a
+/// body runs, the body keeps its claim. Another worker calling the same key meanwhile
+/// waits for its value and does not run the body again (when a renewal queued behind
+/// the burst, its lease ran out waiting, the other worker took the claim over, and the
+/// body ran twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_burst_of_calls_does_not_starve_a_running_calls_renewals() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_starved");
+    let store = |connections| {
+        PostgresStore::builder(&url)
+            .table(&table)
+            .max_connections(connections)
+            .timeout(Duration::from_secs(30))
+            .connect()
+    };
+    let (busy, other) = (store(1).await.unwrap(), store(4).await.unwrap());
+    let lease = Duration::from_millis(600);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let call = |store: &PostgresStore, tool: &'static str, n: u32, body: Duration, value: u32| {
+        let (run, ran) = (Run::new("starved").with_store(store.clone()), ran.clone());
+        tokio::spawn(async move {
+            Tool::new(tool)
+                .lease(lease)
+                .call(&run, &n, move |_| async move {
+                    if tool == "send_email" {
+                        ran.fetch_add(1, SeqCst);
+                    }
+                    tokio::time::sleep(body).await;
+                    Ok::<_, Error>(value)
+                })
+                .await
+        })
+    };
+    // The burst replays one completed call: each is a statement that reads, and no
+    // commit waits for the disk.
+    assert_eq!(
+        call(&busy, "flood", 1, Duration::ZERO, 1)
+            .await
+            .unwrap()
+            .unwrap(),
+        1
+    );
+    let first = call(&busy, "send_email", 0, lease * 3, 7);
+    while ran.load(SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let burst: Vec<_> = (0..3000)
+        .map(|_| call(&busy, "flood", 1, Duration::ZERO, 2))
+        .collect();
+    tokio::time::sleep(lease * 2).await;
+    let second = call(&other, "send_email", 0, Duration::ZERO, 8);
+    assert_eq!(
+        first.await.unwrap().unwrap(),
+        7,
+        "the first caller kept its claim"
+    );
+    assert_eq!(
+        second.await.unwrap().unwrap(),
+        7,
+        "the second caller got the first's value"
+    );
+    assert_eq!(ran.load(SeqCst), 1, "the body ran once");
+    for replayed in futures_join(burst).await {
+        assert_eq!(replayed.unwrap().unwrap(), 1);
+    }
+    drop_table(&url, &table).await;
+}
+
+/// Renewals hold one connection at most, however many bodies run: 600 bodies under a
+/// 600 ms lease on a pool of one connection (3,000 renewals a second asked for) all
+/// keep their claims, and every call records its outcome and returns its value. (With
+/// one renewal statement per claim, each ahead of the calls' queue, the renewals kept
+/// the only connection, completions never got it, and retries ran bodies again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_renewals_of_many_bodies_leave_the_calls_a_connection() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_renewals");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .max_connections(1)
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .unwrap();
+    let run = Run::new("bodies").with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    let calls: Vec<_> = (0..600u32)
+        .map(|n| {
+            let (run, ran) = (run.clone(), ran.clone());
+            tokio::spawn(async move {
+                Tool::new("long")
+                    .lease(Duration::from_millis(600))
+                    .call(&run, &n, move |_| async move {
+                        ran.fetch_add(1, SeqCst);
+                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                        Ok::<_, Error>(n + 1)
+                    })
+                    .await
+            })
+        })
+        .collect();
+    for (n, call) in futures_join(calls).await.into_iter().enumerate() {
+        assert_eq!(call.unwrap().unwrap(), n as u32 + 1);
+    }
+    assert_eq!(ran.load(SeqCst), 600, "each body ran once");
+    // Every outcome is recorded: calling again replays each.
+    for n in 0..600u32 {
+        let replayed = Tool::new("long")
+            .call(&run, &n, |_| async { Ok::<_, Error>(0) })
+            .await
+            .unwrap();
+        assert_eq!(replayed, n + 1);
+    }
+    assert_eq!(ran.load(SeqCst), 600);
+    drop_table(&url, &table).await;
+}
+
+/// A row another transaction holds locked is skipped by the renewals' statement, not
+/// waited for: the other claims in it are renewed at once, the locked one's renewal
+/// fails at once with a store error (the heartbeat tries it again), and once the lock
+/// is let go the claim renews. A claim that is not the caller's is `LostLease`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_locked_row_holds_up_its_own_renewal_only() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_locked");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .unwrap();
+    let request = |n: u8| ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "tool"),
+        fingerprint: Fingerprint::from_bytes([n; 32]),
+        token: Token::generate().unwrap(),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+        take_over_expired: true,
+        retry_failed: true,
+    };
+    let (locked, free) = (request(1), request(2));
+    let key = |request: &ClaimRequest| Key::of("tool", &request.fingerprint);
+    for request in [&locked, &free] {
+        let claim = store.claim(&key(request), request).await.unwrap();
+        assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+    }
+    let (mut outside, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let holder = outside.transaction().await.unwrap();
+    holder
+        .execute(
+            &format!("SELECT 1 FROM {table} WHERE key = $1 FOR UPDATE"),
+            &[&key(&locked).as_str()],
+        )
+        .await
+        .unwrap();
+    let renew = |request: &ClaimRequest| {
+        let (store, key, token) = (store.clone(), key(request), request.token);
+        async move {
+            let started = Instant::now();
+            let renewed = store
+                .renew(
+                    &key,
+                    token,
+                    Duration::from_secs(30),
+                    Duration::from_secs(60),
+                )
+                .await;
+            (renewed, started.elapsed())
+        }
+    };
+    let ((of_locked, locked_took), (of_free, free_took)) =
+        tokio::join!(renew(&locked), renew(&free));
+    assert_eq!(of_free.unwrap(), Fenced::Applied);
+    let error = of_locked.unwrap_err();
+    assert!(matches!(error, Error::Store { .. }), "{error:?}");
+    assert!(error.to_string().contains("locked"), "{error}");
+    for took in [locked_took, free_took] {
+        assert!(
+            took < Duration::from_secs(5),
+            "waited {took:?} for the lock"
+        );
+    }
+    holder.rollback().await.unwrap();
+    let (of_locked, _) = renew(&locked).await;
+    assert_eq!(of_locked.unwrap(), Fenced::Applied);
+    let stranger = ClaimRequest {
+        token: Token::generate().unwrap(),
+        ..locked.clone()
+    };
+    let (of_stranger, _) = renew(&stranger).await;
+    assert_eq!(of_stranger.unwrap(), Fenced::LostLease);
+    drop_table(&url, &table).await;
+}
+
 /// A table whose statistics are stale, as between two autovacuum runs: analyzed while
 /// every row had expired and none was in progress, then filled with rows in progress
 /// that expire later. Completions, renewals and releases each find their row by the

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Row, Statement};
 
@@ -20,6 +21,7 @@ mod decode;
 mod migrate;
 mod ops;
 mod prepared;
+mod renewals;
 mod sql;
 
 pub use builder::PostgresStoreBuilder;
@@ -160,6 +162,17 @@ const STORE: &str = "postgres";
 ///
 /// # Failures
 ///
+/// A running call's renewals do not queue behind other calls for a pooled connection.
+/// They queue in the store, and one statement at a time renews every claim waiting
+/// (`UPDATE … FROM unnest(…)`), on a connection asked of the pool ahead of the calls:
+/// calls wait for a turn before they ask the pool, one turn per connection. Renewals
+/// then hold one connection at most, however many bodies run, and wait behind as many
+/// calls at most as the pool has connections, never behind a burst of thousands of
+/// claims: a busy pool does not hold a live call's renewal past its lease, where another
+/// worker would take the claim over. A row locked by another transaction is skipped
+/// (`SKIP LOCKED`), not waited for: its renewal fails with [`Error::Store`] and the
+/// heartbeat tries it again soon, and the other claims in the statement are renewed.
+///
 /// A pooled session that lost its prepared statements (`DISCARD ALL`, `DEALLOCATE`,
 /// run by hand or by a pooler) has them prepared again the first time a statement
 /// meets their absence; that statement then runs once more (one the session did not
@@ -176,10 +189,33 @@ pub struct PostgresStore {
 
 struct Inner {
     pool: Pool,
+    /// Turns at the pool for every operation but the renewals', one per connection:
+    /// calls queue here, not in the pool's own queue, so that the renewals' statement
+    /// asks the pool behind as many calls at most as the pool has connections.
+    calls: Semaphore,
+    /// Renewals waiting for their statement (see [`renewals`]).
+    renewals: renewals::Renewals,
     table: String,
     timeout: Duration,
     sql: Sql,
     prepared: prepared::Prepared,
+}
+
+/// A pooled connection, with the turn at the pool it was taken with (none for the
+/// renewals').
+struct Session<'a> {
+    /// Declared first, so that it goes back to the pool (to the renewals' statement, if
+    /// it waits there) before the turn goes to the next call.
+    object: deadpool_postgres::Object,
+    _turn: Option<SemaphorePermit<'a>>,
+}
+
+impl std::ops::Deref for Session<'_> {
+    type Target = deadpool_postgres::Object;
+
+    fn deref(&self) -> &Self::Target {
+        &self.object
+    }
 }
 
 /// A result as text for the `result jsonb` column, or `None` if it is not UTF-8 or holds
@@ -270,8 +306,24 @@ impl PostgresStore {
     /// operation's future is moved into its own box and its timeout, and holding them
     /// in line made every move copy them all (a quarter of a hit's client
     /// instructions were `memcpy`).
-    async fn client(&self) -> Result<deadpool_postgres::Object, Error> {
-        Box::pin(self.inner.pool.get()).await.map_err(pg_error)
+    /// A call's connection waits for a turn first (see [`Inner::calls`]).
+    async fn client(&self) -> Result<Session<'_>, Error> {
+        let turn = self.inner.calls.acquire().await.map_err(pg_error)?;
+        let object = Box::pin(self.inner.pool.get()).await.map_err(pg_error)?;
+        Ok(Session {
+            object,
+            _turn: Some(turn),
+        })
+    }
+
+    /// A pooled connection for the renewals' statement, asked of the pool without a
+    /// turn (see [`Inner::calls`]).
+    async fn renewal_client(&self) -> Result<Session<'_>, Error> {
+        let object = Box::pin(self.inner.pool.get()).await.map_err(pg_error)?;
+        Ok(Session {
+            object,
+            _turn: None,
+        })
     }
 
     /// `sql` prepared on `client`: found by the connection and the statement's place

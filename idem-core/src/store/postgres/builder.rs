@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio::sync::Semaphore;
 use tokio_postgres::NoTls;
 
 use super::sql::Sql;
@@ -81,6 +82,8 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             inner: Arc::new(Inner {
                 pool,
+                calls: Semaphore::new(self.max_connections),
+                renewals: Default::default(),
                 sql: Sql::new(&table),
                 table,
                 timeout: self.timeout,

@@ -97,7 +97,9 @@ impl PostgresStore {
         let (expires_index, expires_qualified) = index_name(t, &base, "expires_at");
         // A step that fails or is dropped closes the connection rather than return it
         // to the pool in a failed transaction.
-        let mut held = Held(Some(net::bounded(STORE, timeout, self.client()).await?));
+        let mut held = Held(Some(
+            net::bounded(STORE, timeout, self.client()).await?.object,
+        ));
         let client = held
             .0
             .as_ref()
@@ -181,7 +183,7 @@ impl PostgresStore {
         let t = &self.inner.table;
         let lock = t.replace('\'', "");
         // Dropped or failed, the connection is closed, and the session's lock with it.
-        let mut held = Held(Some(self.bounded(self.client()).await?));
+        let mut held = Held(Some(self.bounded(self.client()).await?.object));
         let client = held
             .0
             .as_ref()

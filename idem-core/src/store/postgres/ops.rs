@@ -132,6 +132,8 @@ impl Store for PostgresStore {
         Ok(fenced(n))
     }
 
+    /// Queued, and sent with every other renewal waiting, in one statement (see
+    /// `renewals.rs`).
     async fn renew(
         &self,
         key: &Key,
@@ -139,19 +141,8 @@ impl Store for PostgresStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Fenced, Error> {
-        let token = token.0.to_be_bytes();
-        let n = self
-            .bounded(self.modified(
-                &self.inner.sql.renew,
-                &[
-                    &key.as_str(),
-                    &token.as_slice(),
-                    &millis(lease),
-                    &millis(lease.saturating_add(ttl)),
-                ],
-            ))
-            .await?;
-        Ok(fenced(n))
+        self.bounded(self.renew_queued(key, token, lease, ttl))
+            .await
     }
 
     /// One statement per page, in key order from the cursor (the last key listed),

@@ -15,7 +15,8 @@ pub(super) struct Sql {
     pub(super) claim: String,
     pub(super) complete: String,
     pub(super) complete_plain: String,
-    pub(super) renew: String,
+    pub(super) renew_many: String,
+    pub(super) renew_held: String,
     pub(super) release: String,
     pub(super) delete: String,
     pub(super) delete_settled: String,
@@ -47,7 +48,8 @@ impl Sql {
             &self.claim,
             &self.complete,
             &self.complete_plain,
-            &self.renew,
+            &self.renew_many,
+            &self.renew_held,
             &self.release,
             &self.delete,
             &self.delete_settled,
@@ -65,6 +67,9 @@ impl Sql {
         // still in progress under the caller's token and has not expired; or, for the
         // reconciliation of an abandoned call, it is abandoned under that token.
         let held = on_the_row("state = 0 AND token = $2 AND expires_at > now()");
+        // The same, for many claims at once: the token is the one of the claim's row
+        // `w` in the statement's list.
+        let held_by_w = on_the_row("r.state = 0 AND r.token = w.token AND r.expires_at > now()");
         let abandoned = on_the_row(&format!(
             "{ABANDONED} AND token = $2 AND expires_at > now()"
         ));
@@ -142,10 +147,28 @@ impl Sql {
             // $6: the result as text for `result`, or NULL (see `as_text`).
             complete: complete("$6::text::jsonb"),
             complete_plain: complete("NULL"),
-            renew: format!(
-                "UPDATE {t} SET lease_until = now() + $3::int8 * interval '1 millisecond', \
-                 expires_at = now() + $4::int8 * interval '1 millisecond', renewed_at = now() \
-                 WHERE key = $1 AND {held}"
+            // Claims `$1` under tokens `$2`, each renewed for its lease `$3` and ttl `$4`
+            // (ms), in one statement; the keys of those renewed are returned. A row
+            // another transaction holds locked is skipped, not waited for: the array
+            // of rows to renew is taken with `FOR UPDATE SKIP LOCKED` first (the
+            // job-queue pattern), and its `UPDATE` checks each row again as it writes
+            // it.
+            renew_many: format!(
+                "UPDATE {t} AS r SET lease_until = now() + w.lease * interval '1 millisecond', \
+                     expires_at = now() + w.ttl * interval '1 millisecond', renewed_at = now() \
+                 FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::int8[]) AS w(key, token, lease, ttl) \
+                 WHERE r.key = w.key \
+                   AND r.key = ANY(ARRAY(SELECT s.key FROM {t} AS s WHERE s.key = ANY($1::text[]) \
+                       FOR UPDATE SKIP LOCKED)) \
+                   AND {held_by_w} \
+                 RETURNING r.key",
+            ),
+            // Which of the claims `$1` under tokens `$2` are still held: of those the
+            // statement above did not renew, the ones it skipped for a lock.
+            renew_held: format!(
+                "SELECT w.key FROM unnest($1::text[], $2::bytea[]) AS w(key, token) \
+                 JOIN {t} AS r ON r.key = w.key \
+                 WHERE {held_by_w}",
             ),
             resolve_completed: resolve_completed("$5::text::jsonb"),
             resolve_completed_plain: resolve_completed("NULL"),
