@@ -88,6 +88,19 @@ pub(crate) fn run_blocking(operation: impl Future<Output = ()> + Send + 'static)
     spawned.is_ok()
 }
 
+/// Spawns `task` on idem's own runtime, whatever runtime the caller is on (one that
+/// is shut down, or no longer driven, leaves it running). `false` if there is no
+/// runtime of idem's own; `task` is then dropped.
+pub(crate) fn spawn(task: impl Future<Output = ()> + Send + 'static) -> bool {
+    match own_runtime() {
+        Some(own) => {
+            drop(own.spawn(task));
+            true
+        }
+        None => false,
+    }
+}
+
 /// Runs `operation` on idem's own runtime: its first poll here, inside that runtime's
 /// context (so what it registers, a timer or a connection, belongs to the runtime that
 /// goes on with it), the rest there.

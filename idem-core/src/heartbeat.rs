@@ -11,7 +11,10 @@
 //! on the timer thread: a store that blocks (sled's writes wait for its IO under a
 //! flood of writes, a custom store doing blocking IO) delays its own renewals, not
 //! every wait and renewal in the process. At most [`RENEWALS_PER_STORE`] renewals of one
-//! store run at once, so one that blocks for long holds a bounded number of threads.
+//! store run at once, so one that blocks for long holds a bounded number of threads. A
+//! store whose renewals never block ([`Store::renewals_block`]: Postgres, whose renewals
+//! wait for one statement carrying them all) has them run as tasks of idem's own
+//! runtime instead, as many at once as are due.
 //!
 //! The heartbeat also tells an async body when to stop ([`drive`]): at `max_run`, or
 //! when a renewal found its claim taken over. Every body registers with the timer
@@ -378,9 +381,14 @@ impl Periodic for Entry {
         if self.state.load(AtomicOrdering::SeqCst) != RUNNING {
             return None;
         }
-        let Some(slot) = StoreSlot::take(&self.store) else {
+        // A store whose renewals may block runs them on threads of their own, a bounded
+        // number at once.
+        let blocks = self.store.renewals_block();
+        let slot = match blocks.then(|| StoreSlot::take(&self.store)) {
             // This store's renewals are all out (it blocks): this one waits its turn.
-            return Some(now + retry_after(self.every));
+            Some(None) => return Some(now + retry_after(self.every)),
+            Some(slot) => slot,
+            None => None,
         };
         let next = self.next(now);
         let entry = Arc::clone(&self);
@@ -398,7 +406,11 @@ impl Periodic for Entry {
             }
             drop((flight, slot));
         };
-        if !background::run_blocking(renewal) {
+        let started = match blocks {
+            true => background::run_blocking(renewal),
+            false => background::spawn(renewal),
+        };
+        if !started {
             // No thread for it now (a process at its thread limit): tried again soon.
             self.in_span(|| {
                 tracing::warn!(tool = %self.tool, key = %self.key, "idem: no thread to renew the claim on; trying again")
@@ -409,9 +421,9 @@ impl Periodic for Entry {
     }
 }
 
-/// How many renewals of one store run at once, at most: a store that blocks in its
-/// renewals (a custom store doing blocking IO) holds this many threads of idem's
-/// blocking pool, not all of them.
+/// How many renewals of one store whose renewals may block run at once, at most: a store
+/// that blocks in its renewals (a custom store doing blocking IO) holds this many
+/// threads of idem's blocking pool, not all of them.
 pub(crate) const RENEWALS_PER_STORE: usize = 32;
 
 /// A renewal of a store under way, counted against [`RENEWALS_PER_STORE`].

@@ -292,6 +292,19 @@ pub trait Store: Send + Sync + 'static {
         "custom"
     }
 
+    /// Whether [`Store::renew`] may block the thread it is polled on (sled waiting for
+    /// its IO, a custom store doing blocking IO in an `async fn`). The heartbeat then
+    /// runs each renewal on a thread of idem's blocking pool, at most 32 of one store at
+    /// once, so that a store that blocks holds a bounded number of threads and holds up
+    /// no other store; a renewal due while they are all out is tried again half a
+    /// renewal period later. A store whose renewals never block (Postgres: each waits
+    /// for a statement that renews every claim waiting) says `false`, and the heartbeat
+    /// runs its renewals as tasks of idem's own runtime, as many at once as are due.
+    /// Default: `true`.
+    fn renewals_block(&self) -> bool {
+        true
+    }
+
     /// The hit path without a claim: calls `replay` with the stored result if `key`
     /// holds a live, completed record for `fingerprint` and the store can tell at once,
     /// without waiting on I/O. Otherwise it does not call `replay`, and the caller goes
@@ -416,6 +429,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn name(&self) -> &'static str {
         (**self).name()
+    }
+    fn renewals_block(&self) -> bool {
+        (**self).renewals_block()
     }
     fn with_completed_result(
         &self,

@@ -370,6 +370,125 @@ async fn postgres_a_locked_row_holds_up_its_own_renewal_only() {
     drop_table(&url, &table).await;
 }
 
+/// A renewal started on a runtime that is then kept but no longer driven (a
+/// current-thread runtime between two `block_on`s) holds up no later renewal of the
+/// store: the task that sends them runs on idem's own runtime. (When it ran on the
+/// runtime of the renewal that started it, every later renewal waited out the store's
+/// timeout, and live claims lapsed.)
+#[test]
+fn postgres_a_renewal_started_on_an_idle_runtime_holds_up_no_other() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_idle_runtime");
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let side = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = main
+        .block_on(
+            PostgresStore::builder(&url)
+                .table(&table)
+                .timeout(Duration::from_secs(5))
+                .connect(),
+        )
+        .unwrap();
+    let request = ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "tool"),
+        fingerprint: Fingerprint::from_bytes([3; 32]),
+        token: Token::generate().unwrap(),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+        take_over_expired: true,
+        retry_failed: true,
+    };
+    let key = Key::of("tool", &request.fingerprint);
+    let claim = main.block_on(store.claim(&key, &request)).unwrap();
+    assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+    // Queued on the side runtime, which is not driven again.
+    side.block_on(async {
+        let renewing = store.renew(&key, request.token, request.lease, request.ttl);
+        let _ = tokio::time::timeout(Duration::from_micros(1), renewing).await;
+    });
+    for _ in 0..3 {
+        let started = Instant::now();
+        let renewed = main
+            .block_on(store.renew(&key, request.token, request.lease, request.ttl))
+            .unwrap();
+        assert_eq!(renewed, Fenced::Applied);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    main.block_on(drop_table(&url, &table));
+    drop(side);
+}
+
+/// A claim whose renewal the server refuses for its values (a lease past what an
+/// interval holds) fails alone: the renewals sent in the same statement are applied.
+/// They are made to share one: the store's only connection is held while they queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_renewal_the_server_refuses_fails_alone() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_refused");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .max_connections(1)
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .unwrap();
+    let mut claims = Vec::new();
+    for n in 0..40u8 {
+        let request = ClaimRequest {
+            origin: idem_core::store::Origin::new("run", "tool"),
+            fingerprint: Fingerprint::from_bytes([n; 32]),
+            token: Token::generate().unwrap(),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+            take_over_expired: true,
+            retry_failed: true,
+        };
+        let key = Key::of("tool", &request.fingerprint);
+        let claim = store.claim(&key, &request).await.unwrap();
+        assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+        claims.push((key, request.token));
+    }
+    const REFUSED: usize = 20;
+    for _ in 0..3 {
+        let held = store.pool().get().await.unwrap();
+        // One claim's renewal asks for a lease no interval holds.
+        let renewals = claims.iter().enumerate().map(|(i, (key, token))| {
+            let (store, key, token) = (store.clone(), key.clone(), *token);
+            let lease = match i {
+                REFUSED => Duration::MAX,
+                _ => Duration::from_secs(30),
+            };
+            tokio::spawn(async move {
+                store
+                    .renew(&key, token, lease, Duration::from_secs(60))
+                    .await
+            })
+        });
+        let renewals: Vec<_> = renewals.collect();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(held);
+        for (i, renewed) in futures_join(renewals).await.into_iter().enumerate() {
+            match (i, renewed.unwrap()) {
+                (REFUSED, Err(Error::Store { .. })) => {}
+                (REFUSED, other) => panic!("the refused renewal: {other:?}"),
+                (_, other) => assert_eq!(other.unwrap(), Fenced::Applied, "claim {i}"),
+            }
+        }
+    }
+    drop_table(&url, &table).await;
+}
+
 /// A table whose statistics are stale, as between two autovacuum runs: analyzed while
 /// every row had expired and none was in progress, then filled with rows in progress
 /// that expire later. Completions, renewals and releases each find their row by the

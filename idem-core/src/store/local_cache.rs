@@ -385,6 +385,10 @@ impl<S: Store> Store for LocalCache<S> {
         self.inner.name()
     }
 
+    fn renewals_block(&self) -> bool {
+        self.inner.renewals_block()
+    }
+
     fn with_completed_result(
         &self,
         key: &Key,

@@ -137,9 +137,22 @@ const STORE: &str = "postgres";
 ///   the in-progress one.
 /// - **release**: `DELETE .. WHERE key = $1 AND state = 0 AND token = $2 AND
 ///   expires_at > now()`.
-/// - **renew** (a running body's heartbeat): `UPDATE .. SET lease_until = now() +
-///   lease, expires_at = now() + lease + ttl WHERE key = $1 AND state = 0 AND token =
-///   $2 AND expires_at > now()`.
+/// - **renew** (a running body's heartbeat): every claim waiting to be renewed, in one
+///   statement (see *Failures* below):
+///
+///   ```sql
+///   UPDATE idem_records AS r SET lease_until = now() + w.lease ms,
+///       expires_at = now() + w.ttl ms, renewed_at = now()   -- w.ttl: lease + TTL
+///   FROM unnest($keys, $tokens, $leases, $ttls) AS w(key, token, lease, ttl)
+///   WHERE r.key = w.key
+///     AND r.key = ANY(ARRAY(SELECT key FROM idem_records WHERE key = ANY($keys)
+///                           FOR UPDATE SKIP LOCKED))
+///     AND r.state = 0 AND r.token = w.token AND r.expires_at > now()
+///   RETURNING r.key
+///   ```
+///
+///   A key it does not return is read again (state, token, expiry, no lock): still
+///   the caller's claim, its row was locked elsewhere; else the claim is lost.
 /// - **purge**: batches of at most 10,000 rows, in order of expiry, each one statement:
 ///
 ///   ```sql

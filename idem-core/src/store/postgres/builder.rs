@@ -44,7 +44,9 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The most connections the store's pool opens (16 by default).
+    /// The most connections the store's pool opens (16 by default). Running calls'
+    /// renewals hold one of them at most, sent together as one statement, and take the
+    /// next connection free ahead of the other calls waiting.
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.max(1);
         self

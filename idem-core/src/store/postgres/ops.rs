@@ -28,6 +28,12 @@ impl Store for PostgresStore {
         "postgres"
     }
 
+    /// A renewal waits for the statement a task sends for every claim waiting (see
+    /// `renewals.rs`), and never blocks its thread.
+    fn renewals_block(&self) -> bool {
+        false
+    }
+
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         self.bounded(async {
             let client = self.client().await?;

@@ -8,29 +8,37 @@
 //! at a time sends those waiting (up to [`BATCH`]) as one statement, on a connection it
 //! asks the pool for without a turn (`PostgresStore::renewal_client`; every other
 //! operation waits for a turn first). So renewals hold one connection at most, however
-//! many bodies run, and the calls always have the others (with a pool of one
-//! connection, the two take it in turns); and a renewal waits for a connection behind
-//! as many calls at most as the pool has connections.
+//! many bodies run, and a renewal waits for a connection behind as many calls at most
+//! as the pool has connections.
 //!
-//! A row another transaction holds locked (a claim's takeover attempt, an operator's
-//! `SELECT … FOR UPDATE`) is skipped rather than waited for: one locked row holds up
-//! its own renewal, never the statement. Its renewal fails with [`Error::Store`] if the
-//! claim is still the caller's, and the heartbeat tries it again soon.
+//! While calls hold every turn at the pool, the task rests after each statement as long
+//! as the statement took (at most a sixth of the shortest lease it renewed, and
+//! [`MAX_REST`]) before it sends the next, and renewals due meanwhile gather for it:
+//! with a pool of one connection, calls then keep at least half of it, however many
+//! claims are running or waiting to record their outcome. (Three times as long, calls
+//! kept three quarters, but claims whose renewals were due faster than a quarter of the
+//! connection served lapsed.)
 //!
-//! The sending task is spawned by the renewal that finds none running, and ends when
-//! none is waiting. Each renewal waits for its answer within the store's timeout. A
-//! task that is dropped unfinished (its runtime shut down) or panics answers every
-//! renewal it held or that was waiting with an error, and the next renewal starts
-//! another.
+//! A row another transaction holds locked (a claim's takeover attempt, a completion,
+//! an operator's `SELECT … FOR UPDATE`) is skipped rather than waited for: one locked
+//! row holds up its own renewal, never the statement. Its renewal fails with
+//! [`Error::Store`] if the claim is still the caller's, and the heartbeat tries it again
+//! soon. A statement the server refuses for one claim's values (a data error) is sent
+//! again one claim at a time, so that claim's renewal alone fails.
+//!
+//! The task runs on idem's own runtime (see [`crate::background`]), never on a caller's,
+//! which may be shut down or no longer driven. Each renewal waits for its answer within
+//! the store's timeout. A task dropped unfinished or that panics answers every renewal
+//! it held or that was waiting with an error, and the next renewal starts another.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 use tokio_postgres::{Row, Statement};
 
-use super::{millis, pg_error, Pending, PostgresStore, STORE};
+use super::{millis, pg_error, refuses_result, Pending, PostgresStore, STORE};
 use crate::error::{Error, StoreErrorKind};
 use crate::key_text::Key;
 use crate::record::Token;
@@ -38,7 +46,17 @@ use crate::store::Fenced;
 use crate::sync::lock;
 
 /// The most claims one statement renews.
-const BATCH: usize = 1000;
+const BATCH: usize = 512;
+
+/// The longest rest between two statements (see the module docs), and the longest
+/// as a share of the shortest lease renewed: a renewal is sent a third of a lease after
+/// the last, so one that waits half of another third for the rest is still in time.
+const MAX_REST: Duration = Duration::from_secs(1);
+const MAX_REST_OF_LEASE: u32 = 6;
+
+/// What a statement found for one claim: renewed, or not renewed though its row was the
+/// caller's claim as the statement began (skipped for a lock).
+type Found = HashMap<String, (bool, bool)>;
 
 /// The renewals waiting for a statement.
 #[derive(Default)]
@@ -75,9 +93,6 @@ impl PostgresStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Fenced, Error> {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return Err(pg_error("a renewal needs a tokio runtime to be sent on"));
-        };
         let (answer, answered) = oneshot::channel();
         let renewal = Renewal {
             key: key.as_str().to_owned(),
@@ -92,25 +107,25 @@ impl PostgresStore {
             !std::mem::replace(&mut queue.sending, true)
         };
         if start {
-            // Whatever becomes of the task, its `Sender` answers (see its `Drop`).
+            // Whatever becomes of the task, its `Sender` answers (see its `Drop`); one
+            // that cannot be spawned is dropped at once.
             let sender = Sender {
                 store: self.clone(),
                 finished: false,
             };
-            runtime.spawn(sender.run());
+            crate::background::spawn(sender.run());
         }
         answered
             .await
             .unwrap_or_else(|_| Err(pg_error("the task sending renewals ended unfinished")))
     }
 
-    /// Renews `batch` in one statement. Returns the keys renewed, and of the others
-    /// those still held by the renewal's token: rows the statement skipped for a lock.
-    async fn renew_all(
-        &self,
-        batch: &[Renewal],
-    ) -> Result<(HashSet<String>, HashSet<String>), Error> {
-        let client = self.renewal_client().await?;
+    /// Renews `batch` in one statement: what it found for each claim, by key.
+    async fn renew_all(&self, batch: &[Renewal]) -> Result<Found, Unsent> {
+        let client = self.renewal_client().await.map_err(|error| Unsent {
+            error,
+            for_a_value: false,
+        })?;
         let client = &client;
         let keys: Vec<&str> = batch.iter().map(|r| r.key.as_str()).collect();
         let tokens: Vec<&[u8]> = batch.iter().map(|r| &r.token[..]).collect();
@@ -120,31 +135,27 @@ impl PostgresStore {
         let renew = |stmt: Statement| -> Pending<'_, Vec<Row>> {
             Box::pin(async move { client.query(&stmt, &[k, t, l, e]).await })
         };
-        let sql = &self.inner.sql;
-        let renewed = keys_of(self.on(client, &sql.renew_many, renew).await)?;
-        if renewed.len() == batch.len() {
-            return Ok((renewed, HashSet::new()));
-        }
-        let (keys, tokens): (Vec<&str>, Vec<&[u8]>) = batch
-            .iter()
-            .filter(|r| !renewed.contains(&r.key))
-            .map(|r| (r.key.as_str(), &r.token[..]))
-            .unzip();
-        let (k, t) = (&keys, &tokens);
-        let held = |stmt: Statement| -> Pending<'_, Vec<Row>> {
-            Box::pin(async move { client.query(&stmt, &[k, t]).await })
+        let unsent = |error: tokio_postgres::Error| Unsent {
+            for_a_value: refuses_result(&error),
+            error: pg_error(error),
         };
-        let held = keys_of(self.on(client, &sql.renew_held, held).await)?;
-        Ok((renewed, held))
+        let rows = self
+            .on(client, &self.inner.sql.renew_many, renew)
+            .await
+            .map_err(unsent)?;
+        rows.iter()
+            .map(|row| Ok((row.try_get(0)?, (row.try_get(1)?, row.try_get(2)?))))
+            .collect::<Result<_, tokio_postgres::Error>>()
+            .map_err(unsent)
     }
 }
 
-/// The keys a statement returned, as its first column.
-fn keys_of(rows: Result<Vec<Row>, tokio_postgres::Error>) -> Result<HashSet<String>, Error> {
-    rows.map_err(pg_error)?
-        .iter()
-        .map(|row| row.try_get::<_, String>(0).map_err(pg_error))
-        .collect()
+/// A statement of renewals that failed, and whether the server refused a value in it
+/// (a data error: one claim's lease out of range, say), which it would not refuse of
+/// the other claims sent alone.
+struct Unsent {
+    error: Error,
+    for_a_value: bool,
 }
 
 /// The task that sends the renewals waiting, one statement at a time, until none is.
@@ -166,23 +177,68 @@ impl Sender {
                 }
                 take_batch(&mut queue.waiting)
             };
+            let started = Instant::now();
+            let (shortest, claims) = (
+                batch.iter().map(|r| r.lease).min().unwrap_or(0),
+                batch.len(),
+            );
             let store = &self.store;
-            let sent = store.bounded(store.renew_all(&batch)).await;
-            tracing::trace!(table = %store.inner.table, claims = batch.len(), ok = sent.is_ok(), "idem: renewals sent");
-            for renewal in batch {
-                let answer = match &sent {
-                    Ok((renewed, _)) if renewed.contains(&renewal.key) => Ok(Fenced::Applied),
-                    Ok((_, held)) if held.contains(&renewal.key) => Err(pg_error(format!(
-                        "the row of `{}` is locked by another transaction; the claim was not renewed",
-                        renewal.key
-                    ))),
-                    Ok(_) => Ok(Fenced::LostLease),
-                    Err(error) => Err(each(error)),
-                };
-                // A renewal that gave up waiting (its timeout) no longer listens.
-                let _ = renewal.answer.send(answer);
+            match store.bounded_renewals(&batch).await {
+                Err(Unsent {
+                    for_a_value: true, ..
+                }) if batch.len() > 1 => {
+                    // One claim's values spoil the statement: each claim alone.
+                    for renewal in batch {
+                        let sent = store.bounded_renewals(std::slice::from_ref(&renewal)).await;
+                        answer(vec![renewal], &sent);
+                    }
+                }
+                sent => answer(batch, &sent),
+            }
+            tracing::trace!(table = %store.inner.table, claims, took = ?started.elapsed(), "idem: renewals sent");
+            // Renewals due meanwhile gather for the next statement (see the module docs).
+            if store.inner.calls.available_permits() == 0 {
+                let cap =
+                    Duration::from_millis(u64::try_from(shortest).unwrap_or(0)) / MAX_REST_OF_LEASE;
+                tokio::time::sleep(started.elapsed().min(cap).min(MAX_REST)).await;
             }
         }
+    }
+}
+
+impl PostgresStore {
+    /// [`PostgresStore::renew_all`] within the store's timeout.
+    async fn bounded_renewals(&self, batch: &[Renewal]) -> Result<Found, Unsent> {
+        match crate::store::net::bounded(STORE, self.inner.timeout, async {
+            Ok(self.renew_all(batch).await)
+        })
+        .await
+        {
+            Ok(sent) => sent,
+            Err(error) => Err(Unsent {
+                error,
+                for_a_value: false,
+            }),
+        }
+    }
+}
+
+/// Answers each renewal of `batch` with what its statement found.
+fn answer(batch: Vec<Renewal>, sent: &Result<Found, Unsent>) {
+    for renewal in batch {
+        let answer = match sent {
+            Ok(found) => match found.get(&renewal.key) {
+                Some((true, _)) => Ok(Fenced::Applied),
+                Some((false, true)) => Err(pg_error(format!(
+                    "the row of `{}` is locked by another transaction; the claim was not renewed",
+                    renewal.key
+                ))),
+                _ => Ok(Fenced::LostLease),
+            },
+            Err(unsent) => Err(each(&unsent.error)),
+        };
+        // A renewal that gave up waiting (its timeout) no longer listens.
+        let _ = renewal.answer.send(answer);
     }
 }
 
@@ -220,7 +276,7 @@ fn take_batch(waiting: &mut Vec<Renewal>) -> Vec<Renewal> {
 /// The statement's failure, for each renewal it carried: the same kind and text.
 fn each(error: &Error) -> Error {
     let text = match error {
-        Error::Store { source, .. } => crate::error::chain(&**source),
+        Error::Store { source, .. } => source.to_string(),
         other => other.to_string(),
     };
     let kind = error.store_kind().unwrap_or(StoreErrorKind::Other);

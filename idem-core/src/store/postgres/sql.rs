@@ -16,7 +16,6 @@ pub(super) struct Sql {
     pub(super) complete: String,
     pub(super) complete_plain: String,
     pub(super) renew_many: String,
-    pub(super) renew_held: String,
     pub(super) release: String,
     pub(super) delete: String,
     pub(super) delete_settled: String,
@@ -49,7 +48,6 @@ impl Sql {
             &self.complete,
             &self.complete_plain,
             &self.renew_many,
-            &self.renew_held,
             &self.release,
             &self.delete,
             &self.delete_settled,
@@ -148,27 +146,27 @@ impl Sql {
             complete: complete("$6::text::jsonb"),
             complete_plain: complete("NULL"),
             // Claims `$1` under tokens `$2`, each renewed for its lease `$3` and ttl `$4`
-            // (ms), in one statement; the keys of those renewed are returned. A row
-            // another transaction holds locked is skipped, not waited for: the array
-            // of rows to renew is taken with `FOR UPDATE SKIP LOCKED` first (the
-            // job-queue pattern), and its `UPDATE` checks each row again as it writes
-            // it.
+            // (ms), in one statement. A row another transaction holds locked is skipped,
+            // not waited for: the rows to renew are taken with `FOR UPDATE SKIP LOCKED`
+            // first (the job-queue pattern), and the `UPDATE` checks each again as it
+            // writes it. Each claim comes back with whether it was renewed, and whether
+            // its row was the caller's claim as the statement began (the main query does
+            // not see the `UPDATE`'s writes): one that was, yet was not renewed, was
+            // skipped for a lock.
             renew_many: format!(
-                "UPDATE {t} AS r SET lease_until = now() + w.lease * interval '1 millisecond', \
-                     expires_at = now() + w.ttl * interval '1 millisecond', renewed_at = now() \
-                 FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::int8[]) AS w(key, token, lease, ttl) \
-                 WHERE r.key = w.key \
-                   AND r.key = ANY(ARRAY(SELECT s.key FROM {t} AS s WHERE s.key = ANY($1::text[]) \
-                       FOR UPDATE SKIP LOCKED)) \
-                   AND {held_by_w} \
-                 RETURNING r.key",
-            ),
-            // Which of the claims `$1` under tokens `$2` are still held: of those the
-            // statement above did not renew, the ones it skipped for a lock.
-            renew_held: format!(
-                "SELECT w.key FROM unnest($1::text[], $2::bytea[]) AS w(key, token) \
-                 JOIN {t} AS r ON r.key = w.key \
-                 WHERE {held_by_w}",
+                "WITH w AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::int8[]) \
+                     AS w(key, token, lease, ttl)), \
+                 renewed AS (UPDATE {t} AS r \
+                     SET lease_until = now() + w.lease * interval '1 millisecond', \
+                         expires_at = now() + w.ttl * interval '1 millisecond', renewed_at = now() \
+                     FROM w \
+                     WHERE r.key = w.key \
+                       AND r.key = ANY(ARRAY(SELECT s.key FROM {t} AS s WHERE s.key = ANY($1::text[]) \
+                           FOR UPDATE SKIP LOCKED)) \
+                       AND {held_by_w} \
+                     RETURNING r.key) \
+                 SELECT w.key, EXISTS (SELECT 1 FROM renewed WHERE renewed.key = w.key), {held_by_w} \
+                 FROM w LEFT JOIN {t} AS r ON r.key = w.key"
             ),
             resolve_completed: resolve_completed("$5::text::jsonb"),
             resolve_completed_plain: resolve_completed("NULL"),
