@@ -141,18 +141,23 @@ const STORE: &str = "postgres";
 ///   statement (see *Failures* below):
 ///
 ///   ```sql
-///   UPDATE idem_records AS r SET lease_until = now() + w.lease ms,
-///       expires_at = now() + w.ttl ms, renewed_at = now()   -- w.ttl: lease + TTL
-///   FROM unnest($keys, $tokens, $leases, $ttls) AS w(key, token, lease, ttl)
-///   WHERE r.key = w.key
-///     AND r.key = ANY(ARRAY(SELECT key FROM idem_records WHERE key = ANY($keys)
-///                           FOR UPDATE SKIP LOCKED))
-///     AND r.state = 0 AND r.token = w.token AND r.expires_at > now()
-///   RETURNING r.key
+///   WITH w AS (SELECT * FROM unnest($keys, $tokens, $leases, $ttls) AS w(key, token, lease, ttl)),
+///   renewed AS (UPDATE idem_records AS r SET lease_until = now() + w.lease ms,
+///           expires_at = now() + w.ttl ms, renewed_at = now()   -- w.ttl: lease + TTL
+///       FROM w
+///       WHERE r.key = w.key
+///         AND r.key = ANY(ARRAY(SELECT key FROM idem_records WHERE key = ANY($keys)
+///                               FOR UPDATE SKIP LOCKED))
+///         AND r.state = 0 AND r.token = w.token AND r.expires_at > now()
+///       RETURNING r.key)
+///   SELECT w.key, EXISTS (SELECT 1 FROM renewed WHERE renewed.key = w.key),
+///          r.state = 0 AND r.token = w.token AND r.expires_at > now()
+///   FROM w LEFT JOIN idem_records AS r ON r.key = w.key
 ///   ```
 ///
-///   A key it does not return is read again (state, token, expiry, no lock): still
-///   the caller's claim, its row was locked elsewhere; else the claim is lost.
+///   Each claim comes back renewed, or not: then, if its row was still the caller's
+///   claim as the statement began (the main query does not see the `UPDATE`), the row
+///   was locked elsewhere; else the claim is lost.
 /// - **purge**: batches of at most 10,000 rows, in order of expiry, each one statement:
 ///
 ///   ```sql
@@ -184,7 +189,11 @@ const STORE: &str = "postgres";
 /// claims: a busy pool does not hold a live call's renewal past its lease, where another
 /// worker would take the claim over. A row locked by another transaction is skipped
 /// (`SKIP LOCKED`), not waited for: its renewal fails with [`Error::Store`] and the
-/// heartbeat tries it again soon, and the other claims in the statement are renewed.
+/// heartbeat tries it again soon, and the other claims in the statement are renewed. A
+/// statement the server refuses for one claim's values is sent again claim by claim, so
+/// that claim's renewal alone fails. While calls hold every turn, the renewals rest
+/// between statements as long as the last one took, so that a pool of one connection
+/// keeps half of it for the calls.
 ///
 /// A pooled session that lost its prepared statements (`DISCARD ALL`, `DEALLOCATE`,
 /// run by hand or by a pooler) has them prepared again the first time a statement
@@ -318,8 +327,8 @@ impl PostgresStore {
     /// where the hot paths await them (`claim`, `modified`, `recorded`): each store
     /// operation's future is moved into its own box and its timeout, and holding them
     /// in line made every move copy them all (a quarter of a hit's client
-    /// instructions were `memcpy`).
-    /// A call's connection waits for a turn first (see [`Inner::calls`]).
+    /// instructions were `memcpy`). A call's connection waits for a turn first (see
+    /// [`Inner::calls`]).
     async fn client(&self) -> Result<Session<'_>, Error> {
         let turn = self.inner.calls.acquire().await.map_err(pg_error)?;
         let object = Box::pin(self.inner.pool.get()).await.map_err(pg_error)?;

@@ -48,10 +48,12 @@ use crate::sync::lock;
 /// The most claims one statement renews.
 const BATCH: usize = 512;
 
-/// The longest rest between two statements (see the module docs), and the longest
-/// as a share of the shortest lease renewed: a renewal is sent a third of a lease after
-/// the last, so one that waits half of another third for the rest is still in time.
+/// The longest rest between two statements (see the module docs).
 const MAX_REST: Duration = Duration::from_secs(1);
+
+/// The longest rest as a share of the shortest lease renewed (a sixth): a renewal is
+/// sent a third of a lease after the last, so one that waits half of another third for
+/// the rest is still in time.
 const MAX_REST_OF_LEASE: u32 = 6;
 
 /// What a statement found for one claim: renewed, or not renewed though its row was the
@@ -243,8 +245,9 @@ fn answer(batch: Vec<Renewal>, sent: &Result<Found, Unsent>) {
 }
 
 impl Drop for Sender {
-    /// Dropped unfinished (its runtime shut down, or a panic): the renewals waiting get
-    /// an error (their answers are dropped), and the next renewal starts a new task.
+    /// Dropped unfinished (a panic, or a runtime that could not take the task): the
+    /// renewals waiting get an error (their answers are dropped), and the next renewal
+    /// starts a new task.
     fn drop(&mut self) {
         if !self.finished {
             let waiting = {
