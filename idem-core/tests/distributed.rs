@@ -53,6 +53,20 @@ fn unique(prefix: &str) -> String {
     )
 }
 
+/// A claim of tool `tool` whose fingerprint is `byte` repeated: a 30-second lease, a
+/// one-minute TTL, a fresh token.
+fn claim_request(byte: u8) -> ClaimRequest {
+    ClaimRequest {
+        origin: idem_core::store::Origin::new("run", "tool"),
+        fingerprint: Fingerprint::from_bytes([byte; 32]),
+        token: Token::generate().unwrap(),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+        take_over_expired: true,
+        retry_failed: true,
+    }
+}
+
 async fn drop_table(url: &str, table: &str) {
     if let Ok((client, conn)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await {
         tokio::spawn(conn);
@@ -304,16 +318,7 @@ async fn postgres_a_locked_row_holds_up_its_own_renewal_only() {
         .connect()
         .await
         .unwrap();
-    let request = |n: u8| ClaimRequest {
-        origin: idem_core::store::Origin::new("run", "tool"),
-        fingerprint: Fingerprint::from_bytes([n; 32]),
-        token: Token::generate().unwrap(),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(60),
-        take_over_expired: true,
-        retry_failed: true,
-    };
-    let (locked, free) = (request(1), request(2));
+    let (locked, free) = (claim_request(1), claim_request(2));
     let key = |request: &ClaimRequest| Key::of("tool", &request.fingerprint);
     for request in [&locked, &free] {
         let claim = store.claim(&key(request), request).await.unwrap();
@@ -396,15 +401,7 @@ fn postgres_a_renewal_started_on_an_idle_runtime_holds_up_no_other() {
                 .connect(),
         )
         .unwrap();
-    let request = ClaimRequest {
-        origin: idem_core::store::Origin::new("run", "tool"),
-        fingerprint: Fingerprint::from_bytes([3; 32]),
-        token: Token::generate().unwrap(),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(60),
-        take_over_expired: true,
-        retry_failed: true,
-    };
+    let request = claim_request(3);
     let key = Key::of("tool", &request.fingerprint);
     let claim = main.block_on(store.claim(&key, &request)).unwrap();
     assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
@@ -445,15 +442,7 @@ async fn postgres_a_renewal_the_server_refuses_fails_alone() {
         .unwrap();
     let mut claims = Vec::new();
     for n in 0..40u8 {
-        let request = ClaimRequest {
-            origin: idem_core::store::Origin::new("run", "tool"),
-            fingerprint: Fingerprint::from_bytes([n; 32]),
-            token: Token::generate().unwrap(),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(60),
-            take_over_expired: true,
-            retry_failed: true,
-        };
+        let request = claim_request(n);
         let key = Key::of("tool", &request.fingerprint);
         let claim = store.claim(&key, &request).await.unwrap();
         assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
@@ -546,15 +535,7 @@ async fn postgres_statements_find_their_row_by_key_whatever_the_statistics() {
         assert_eq!(call_counted(&run, &ran, n, n).await.unwrap(), n);
     }
     // A renewal and a release, which no call above needed.
-    let request = ClaimRequest {
-        origin: idem_core::store::Origin::new("run", "tool"),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        token: Token::generate().unwrap(),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(60),
-        take_over_expired: true,
-        retry_failed: true,
-    };
+    let request = claim_request(7);
     let key = Key::of("tool", &request.fingerprint);
     let claim = store.claim(&key, &request).await.unwrap();
     assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
