@@ -21,9 +21,14 @@
 //!
 //! A row another transaction holds locked (a claim's takeover attempt, a completion,
 //! an operator's `SELECT … FOR UPDATE`) is skipped rather than waited for: one locked
-//! row holds up its own renewal, never the statement. Its renewal fails with
-//! [`Error::Store`] if the claim is still the caller's, and the heartbeat tries it again
-//! soon. A statement the server refuses for one claim's values (a data error) is sent
+//! row holds up its own renewal, never the statement, and no connection. If the claim
+//! is still the caller's, its renewal goes back in the queue and is sent again every
+//! [`LOCKED_AGAIN`] until the lock goes (or the caller stops waiting, at the store's
+//! timeout): it lands as soon as the lock goes, as an `UPDATE` waiting on the lock
+//! would, ahead of a takeover that waited on the same lock. (Answered at once with an
+//! error instead, it was tried again half a renewal period later, and a lock shorter
+//! than the lease let a worker waiting on it take the claim over first.) A renewal
+//! whose caller stopped waiting is dropped from the queue unsent. A statement the server refuses for one claim's values (a data error) is sent
 //! again one claim at a time, so that claim's renewal alone fails.
 //!
 //! The task runs on idem's own runtime (see [`crate::background`]), never on a caller's,
@@ -47,6 +52,9 @@ use crate::sync::lock;
 
 /// The most claims one statement renews.
 const BATCH: usize = 512;
+
+/// How soon a renewal whose row was locked is sent again.
+const LOCKED_AGAIN: Duration = Duration::from_millis(10);
 
 /// The longest rest between two statements (see the module docs).
 const MAX_REST: Duration = Duration::from_secs(1);
@@ -82,6 +90,8 @@ struct Renewal {
     lease: i64,
     ttl: i64,
     answer: oneshot::Sender<Result<Fenced, Error>>,
+    /// Not to be sent before this (its row was locked).
+    not_before: Option<Instant>,
 }
 
 impl PostgresStore {
@@ -102,6 +112,7 @@ impl PostgresStore {
             lease: millis(lease),
             ttl: millis(lease.saturating_add(ttl)),
             answer,
+            not_before: None,
         };
         let start = {
             let mut queue = lock(&self.inner.renewals.queue);
@@ -170,15 +181,21 @@ struct Sender {
 impl Sender {
     async fn run(mut self) {
         loop {
-            let batch = {
+            let (batch, next) = {
                 let mut queue = lock(&self.store.inner.renewals.queue);
-                if queue.waiting.is_empty() {
+                let taken = take_batch(&mut queue.waiting, Instant::now());
+                if queue.waiting.is_empty() && taken.0.is_empty() {
                     queue.sending = false;
                     self.finished = true;
                     return;
                 }
-                take_batch(&mut queue.waiting)
+                taken
             };
+            if batch.is_empty() {
+                // Only renewals of locked rows wait, none due yet.
+                tokio::time::sleep_until(next.unwrap_or_else(Instant::now).into()).await;
+                continue;
+            }
             let started = Instant::now();
             let (shortest, claims) = (
                 batch.iter().map(|r| r.lease).min().unwrap_or(0),
@@ -192,10 +209,10 @@ impl Sender {
                     // One claim's values spoil the statement: each claim alone.
                     for renewal in batch {
                         let sent = store.bounded_renewals(std::slice::from_ref(&renewal)).await;
-                        answer(vec![renewal], &sent);
+                        self.again(answer(vec![renewal], &sent));
                     }
                 }
-                sent => answer(batch, &sent),
+                sent => self.again(answer(batch, &sent)),
             }
             tracing::trace!(table = %store.inner.table, claims, took = ?started.elapsed(), "idem: renewals sent");
             // Renewals due meanwhile gather for the next statement (see the module docs).
@@ -205,6 +222,21 @@ impl Sender {
                 tokio::time::sleep(started.elapsed().min(cap).min(MAX_REST)).await;
             }
         }
+    }
+}
+
+impl Sender {
+    /// Puts renewals whose rows were locked back in the queue, to be sent again after
+    /// [`LOCKED_AGAIN`].
+    fn again(&self, locked: Vec<Renewal>) {
+        if locked.is_empty() {
+            return;
+        }
+        let not_before = Some(Instant::now() + LOCKED_AGAIN);
+        let mut queue = lock(&self.store.inner.renewals.queue);
+        queue
+            .waiting
+            .extend(locked.into_iter().map(|r| Renewal { not_before, ..r }));
     }
 }
 
@@ -225,16 +257,18 @@ impl PostgresStore {
     }
 }
 
-/// Answers each renewal of `batch` with what its statement found.
-fn answer(batch: Vec<Renewal>, sent: &Result<Found, Unsent>) {
+/// Answers each renewal of `batch` with what its statement found; returns those whose
+/// rows were locked elsewhere, still the caller's claims, to be sent again.
+fn answer(batch: Vec<Renewal>, sent: &Result<Found, Unsent>) -> Vec<Renewal> {
+    let mut locked = Vec::new();
     for renewal in batch {
         let answer = match sent {
             Ok(found) => match found.get(&renewal.key) {
                 Some((true, _)) => Ok(Fenced::Applied),
-                Some((false, true)) => Err(pg_error(format!(
-                    "the row of `{}` is locked by another transaction; the claim was not renewed",
-                    renewal.key
-                ))),
+                Some((false, true)) => {
+                    locked.push(renewal);
+                    continue;
+                }
                 _ => Ok(Fenced::LostLease),
             },
             Err(unsent) => Err(each(&unsent.error)),
@@ -242,6 +276,7 @@ fn answer(batch: Vec<Renewal>, sent: &Result<Found, Unsent>) {
         // A renewal that gave up waiting (its timeout) no longer listens.
         let _ = renewal.answer.send(answer);
     }
+    locked
 }
 
 impl Drop for Sender {
@@ -260,20 +295,28 @@ impl Drop for Sender {
     }
 }
 
-/// Takes up to [`BATCH`] renewals from `waiting`, the first come, no key twice (one
-/// statement updates a row once): a second renewal of a key waits for the next.
-fn take_batch(waiting: &mut Vec<Renewal>) -> Vec<Renewal> {
+/// Takes up to [`BATCH`] renewals due by `now` from `waiting`, the first come, no key
+/// twice (one statement updates a row once): a second renewal of a key waits for the
+/// next. Drops those whose caller stopped waiting. Returns them, and when the first of
+/// those left for later is due, if any is.
+fn take_batch(waiting: &mut Vec<Renewal>, now: Instant) -> (Vec<Renewal>, Option<Instant>) {
     let mut keys = HashSet::new();
-    let (mut batch, mut rest) = (Vec::new(), Vec::new());
+    let (mut batch, mut rest, mut next) = (Vec::new(), Vec::new(), None::<Instant>);
     for renewal in waiting.drain(..) {
-        if batch.len() < BATCH && keys.insert(renewal.key.clone()) {
-            batch.push(renewal);
-        } else {
-            rest.push(renewal);
+        if renewal.answer.is_closed() {
+            continue;
+        }
+        match renewal.not_before.filter(|at| *at > now) {
+            Some(at) => {
+                next = Some(next.map_or(at, |next| next.min(at)));
+                rest.push(renewal);
+            }
+            None if batch.len() < BATCH && keys.insert(renewal.key.clone()) => batch.push(renewal),
+            None => rest.push(renewal),
         }
     }
     *waiting = rest;
-    batch
+    (batch, next)
 }
 
 /// The statement's failure, for each renewal it carried: the same kind and text.
