@@ -300,7 +300,9 @@ pub trait Store: Send + Sync + 'static {
     /// renewal period later. A store whose renewals never block (Postgres: each waits
     /// for a statement that renews every claim waiting) says `false`, and the heartbeat
     /// runs its renewals as tasks of idem's own runtime, as many at once as are due.
-    /// Default: `true`.
+    /// Default: `true`. A store that wraps another must forward it, as `Arc` and
+    /// [`LocalCache`](crate::LocalCache) do: a wrapper that does not has a
+    /// non-blocking store's renewals run 32 at a time again.
     fn renewals_block(&self) -> bool {
         true
     }

@@ -157,7 +157,7 @@ const STORE: &str = "postgres";
 ///
 ///   Each claim comes back renewed, or not: then, if its row was still the caller's
 ///   claim as the statement began (the main query does not see the `UPDATE`), the row
-///   was locked elsewhere; else the claim is lost.
+///   was locked elsewhere and the renewal is sent again; else the claim is lost.
 /// - **purge**: batches of at most 10,000 rows, in order of expiry, each one statement:
 ///
 ///   ```sql
@@ -188,8 +188,9 @@ const STORE: &str = "postgres";
 /// calls at most as the pool has connections, never behind a burst of thousands of
 /// claims: a busy pool does not hold a live call's renewal past its lease, where another
 /// worker would take the claim over. A row locked by another transaction is skipped
-/// (`SKIP LOCKED`), not waited for: its renewal fails with [`Error::Store`] and the
-/// heartbeat tries it again soon, and the other claims in the statement are renewed. A
+/// (`SKIP LOCKED`), not waited for on a connection: the other claims in the statement
+/// are renewed, and its renewal goes back in the queue, sent again every 10 ms until
+/// the lock goes (or the caller stops waiting, at the store's timeout). A
 /// statement the server refuses for one claim's values is sent again claim by claim, so
 /// that claim's renewal alone fails. While calls hold every turn, the renewals rest
 /// between statements as long as the last one took, so that a pool of one connection
