@@ -223,9 +223,7 @@ impl Sender {
             }
         }
     }
-}
 
-impl Sender {
     /// Puts renewals whose rows were locked back in the queue, to be sent again after
     /// [`LOCKED_AGAIN`].
     fn again(&self, locked: Vec<Renewal>) {
