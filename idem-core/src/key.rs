@@ -274,6 +274,18 @@ impl KeyParts<'_> {
 /// Longest tool label kept in a key's text.
 const LABEL_MAX: usize = 64;
 
+/// Each byte's two lowercase hex digits.
+const HEX_PAIRS: [[u8; 2]; 256] = {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut pairs = [[0u8; 2]; 256];
+    let mut b = 0;
+    while b < 256 {
+        pairs[b] = [HEX[b >> 4], HEX[b & 0xf]];
+        b += 1;
+    }
+    pairs
+};
+
 impl Key {
     /// Derives the key of a call of `parts` whose key is formed by `key_input` (see
     /// the module docs): [`Key::of`] its fingerprint.
@@ -306,9 +318,13 @@ impl Key {
             }
             false => tool,
         };
-        for c in label.chars().take(LABEL_MAX) {
-            text[len] = match c {
-                'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c as u8,
+        // One byte per character: an ASCII one kept or replaced by `_`, a multi-byte
+        // one replaced by `_` at its leading byte and its continuation bytes skipped.
+        // At most `LABEL_MAX` characters are left after the cut above.
+        for &b in label.as_bytes() {
+            text[len] = match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' | b'-' => b,
+                0x80..=0xbf => continue,
                 _ => b'_',
             };
             len += 1;
@@ -319,10 +335,8 @@ impl Key {
         }
         text[len] = b'.';
         len += 1;
-        const HEX: &[u8; 16] = b"0123456789abcdef";
         for &b in fingerprint.as_bytes() {
-            text[len] = HEX[usize::from(b >> 4)];
-            text[len + 1] = HEX[usize::from(b & 0xf)];
+            text[len..len + 2].copy_from_slice(&HEX_PAIRS[usize::from(b)]);
             len += 2;
         }
         // Every byte written above is ASCII, so this never takes the fallback.
@@ -545,6 +559,28 @@ mod tests {
             matches!(err, Error::Input { ref tool, .. } if tool == "tool_x"),
             "{err}"
         );
+    }
+
+    proptest! {
+        /// The label as characters: the last 64 of the name, each outside
+        /// `[A-Za-z0-9_-]` replaced by `_`, and `_` for an empty name.
+        #[test]
+        fn labels_are_the_names_last_characters_with_odd_ones_replaced(
+            tool in "[a-zA-Z0-9_:<> .é€😀\\-]{0,80}",
+        ) {
+            let chars: Vec<char> = tool.chars().collect();
+            let mut expected: String = chars[chars.len().saturating_sub(LABEL_MAX)..]
+                .iter()
+                .map(|&c| match c {
+                    'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c,
+                    _ => '_',
+                })
+                .collect();
+            if expected.is_empty() {
+                expected.push('_');
+            }
+            prop_assert_eq!(Key::label_of(&tool), expected);
+        }
     }
 
     #[test]
