@@ -43,6 +43,7 @@ use crate::error::Error;
 use crate::error::Human;
 use crate::key_text::Key;
 use crate::options::Options;
+use crate::protocol::ToolName;
 use crate::record::Token;
 use crate::store::{Fenced, Store};
 use crate::telemetry::{in_span, store_op};
@@ -57,7 +58,7 @@ fn retry_after(every: Duration) -> Duration {
 pub(crate) struct Lease<'a> {
     pub(crate) store: &'a Arc<dyn Store>,
     pub(crate) key: &'a Key,
-    pub(crate) tool: &'a Arc<str>,
+    pub(crate) tool: &'a ToolName,
     pub(crate) token: Token,
     pub(crate) options: &'a Options,
     /// The call's span, which the heartbeat's events go in.
@@ -114,7 +115,7 @@ struct Entry {
     id: u64,
     store: Arc<dyn Store>,
     key: Key,
-    tool: Arc<str>,
+    tool: ToolName,
     /// The call's span while its claim is renewed; let go of at the end, so that a
     /// renewal still in flight does not hold the span open after the call.
     span: Mutex<Option<tracing::Span>>,
@@ -149,7 +150,7 @@ impl Beat {
             id: IDS.fetch_add(1, AtomicOrdering::Relaxed),
             store: Arc::clone(lease.store),
             key: lease.key.clone(),
-            tool: Arc::clone(lease.tool),
+            tool: lease.tool.clone(),
             span: Mutex::new(Some(lease.span.clone())),
             token: lease.token,
             lease: options.lease,

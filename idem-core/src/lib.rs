@@ -77,7 +77,7 @@ pub mod __private {
     pub use crate::protocol::{
         execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Call, Checked,
         Compare, ErrorCodec, ErrorPolicy, Execution, FinishesAlone, ReleaseErrors, Replayable,
-        RunArgument, RunSource, ToolOutput,
+        RunArgument, RunSource, ToolName, ToolOutput,
     };
     pub use crate::read_back::{
         Equality, ErrByJson, ErrByPartialEq, JsonOnly, OkByJson, OkByPartialEq, Probe,

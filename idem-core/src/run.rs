@@ -128,12 +128,12 @@ impl Run {
     }
 
     /// Who calls `tool` in this run, as a record keeps it.
-    pub(crate) fn origin(&self, tool: &Arc<str>) -> crate::store::Origin {
+    pub(crate) fn origin(&self, tool: Arc<str>) -> crate::store::Origin {
         crate::store::Origin {
             tenant: self.inner.tenant.clone(),
             run_id: Arc::clone(&self.inner.id),
             call_id: self.inner.call_id.clone(),
-            tool: Arc::clone(tool),
+            tool,
         }
     }
 

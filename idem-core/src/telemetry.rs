@@ -38,6 +38,7 @@ use tracing::Span;
 use crate::error::Error;
 use crate::error::Logged;
 use crate::key_text::Key;
+use crate::protocol::ToolName;
 use crate::run::Run;
 
 /// How idem answered an idempotent call: the `idem.outcome` of its span, and the
@@ -399,7 +400,7 @@ pub(crate) fn in_span<T>(span: &Span, f: impl FnOnce() -> T) -> T {
 /// to an [`observe`] scope that it took. Dropped unreported, it reports that the caller
 /// stopped waiting ([`CallOutcome::Cancelled`]), or that the body panicked.
 pub(crate) struct Report<'a> {
-    tool: &'a Arc<str>,
+    tool: &'a ToolName,
     key: &'a Key,
     run: &'a Run,
     tally: &'a Tally,
@@ -409,7 +410,7 @@ pub(crate) struct Report<'a> {
 
 impl<'a> Report<'a> {
     /// Starts reporting the call.
-    pub(crate) fn start(tool: &'a Arc<str>, key: &'a Key, run: &'a Run, tally: &'a Tally) -> Self {
+    pub(crate) fn start(tool: &'a ToolName, key: &'a Key, run: &'a Run, tally: &'a Tally) -> Self {
         Report {
             tool,
             key,
@@ -431,7 +432,7 @@ impl<'a> Report<'a> {
 
     /// Goes on with a report handed over.
     pub(crate) fn resume(
-        tool: &'a Arc<str>,
+        tool: &'a ToolName,
         key: &'a Key,
         run: &'a Run,
         tally: &'a Tally,
@@ -520,7 +521,7 @@ impl<'a> Report<'a> {
         }
         let report = CallReport {
             outcome,
-            tool: Arc::clone(self.tool),
+            tool: self.tool.to_shared(),
             key: self.key.clone(),
             waited,
         };
@@ -570,7 +571,7 @@ pub(crate) fn rejected(tool: &str, call_id: Option<&str>, error: &Error) {
     span.record("otel.status_code", "ERROR");
     tracing::warn!(error = %Logged(error), "idem: call refused");
     #[cfg(feature = "metrics")]
-    metrics::call(&Arc::from(tool), CallOutcome::Rejected, "none", None, false);
+    metrics::call(&ToolName::from(Arc::<str>::from(tool)), CallOutcome::Rejected, "none", None, false);
 }
 
 /// A store operation: a panic in the store's code is the store's failure
@@ -610,12 +611,12 @@ pub use self::metrics::describe_metrics;
 mod metrics {
     //! idem's metrics, through the `metrics` facade.
 
-    use std::sync::{Arc, Once};
+    use std::sync::Once;
     use std::time::Duration;
 
-    use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
+    use metrics::{counter, describe_counter, describe_histogram, histogram, SharedString, Unit};
 
-    use super::CallOutcome;
+    use super::{CallOutcome, ToolName};
 
     pub(super) const CALLS: &str = "idem_calls_total";
     pub(super) const TAKEOVERS: &str = "idem_lease_takeovers_total";
@@ -666,15 +667,18 @@ mod metrics {
     static DESCRIBED: Once = Once::new();
 
     pub(super) fn call(
-        tool: &Arc<str>,
+        tool: &ToolName,
         outcome: CallOutcome,
         store: &'static str,
         waited: Option<Duration>,
         took_over: bool,
     ) {
         DESCRIBED.call_once(describe_metrics);
-        // An `Arc` label: a count's increment, not a copy of the name.
-        let tool = Arc::clone(tool);
+        // The attribute's name as it is, a dynamic tool's as an `Arc`: no copy either way.
+        let tool: SharedString = match tool.as_static() {
+            Some(name) => name.into(),
+            None => tool.to_shared().into(),
+        };
         counter!(CALLS, "tool" => tool.clone(), "outcome" => outcome.as_str(), "store" => store)
             .increment(1);
         if let Some(waited) = waited {

@@ -319,7 +319,7 @@ impl<Errors> Tool<Errors> {
             None => &[arg],
         };
         let Some(pointers) = &self.key else {
-            return Call::from_args(Some(run), name, options, args, None);
+            return Call::from_args(Some(run), &self.name, options, args, None);
         };
         let json = serde_json::to_value(input).map_err(|source| {
             let error = Error::Input {
@@ -336,7 +336,7 @@ impl<Errors> Tool<Errors> {
             .map(|field| field as &dyn KeyInput)
             .chain(scope.map(|scope| scope as &dyn KeyInput))
             .collect();
-        Call::from_args(Some(run), name, options, args, Some(&key))
+        Call::from_args(Some(run), &self.name, options, args, Some(&key))
     }
 }
 

@@ -2,6 +2,8 @@
 //! Made once, before anything touches the store; every other part of the protocol
 //! reads from it.
 
+use std::fmt;
+use std::ops::Deref;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -13,11 +15,82 @@ use crate::options::Options;
 use crate::run::Run;
 use crate::telemetry::{self, Handover, Report, Tally};
 
+/// A tool's name as a call holds it: the attribute's, which lives as long as the
+/// program, or a dynamic tool's, shared. Preparing a call copies neither; a name is
+/// copied only where a store keeps it (a claim's [`Origin`](crate::store::Origin)).
+#[derive(Clone)]
+pub struct ToolName(Name);
+
+#[derive(Clone)]
+enum Name {
+    Static(&'static str),
+    Shared(Arc<str>),
+}
+
+impl ToolName {
+    /// The name, if it lives as long as the program.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn as_static(&self) -> Option<&'static str> {
+        match self.0 {
+            Name::Static(name) => Some(name),
+            Name::Shared(_) => None,
+        }
+    }
+
+    /// The name as a store keeps it.
+    pub(crate) fn to_shared(&self) -> Arc<str> {
+        match &self.0 {
+            Name::Static(name) => Arc::from(*name),
+            Name::Shared(name) => Arc::clone(name),
+        }
+    }
+}
+
+impl Deref for ToolName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        match &self.0 {
+            Name::Static(name) => name,
+            Name::Shared(name) => name,
+        }
+    }
+}
+
+impl From<&'static str> for ToolName {
+    fn from(name: &'static str) -> Self {
+        ToolName(Name::Static(name))
+    }
+}
+
+impl From<Arc<str>> for ToolName {
+    fn from(name: Arc<str>) -> Self {
+        ToolName(Name::Shared(name))
+    }
+}
+
+impl From<&Arc<str>> for ToolName {
+    fn from(name: &Arc<str>) -> Self {
+        ToolName(Name::Shared(Arc::clone(name)))
+    }
+}
+
+impl fmt::Display for ToolName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self)
+    }
+}
+
+impl fmt::Debug for ToolName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&**self, f)
+    }
+}
+
 /// One idempotent call, ready to execute: its run, key and input fingerprint.
 #[derive(Debug, Clone)]
 pub struct Call {
     pub(super) run: Run,
-    pub(super) tool: Arc<str>,
+    pub(super) tool: ToolName,
     pub(super) key: Key,
     pub(super) fingerprint: Fingerprint,
     pub(super) options: Options,
@@ -32,11 +105,11 @@ impl Call {
     /// ([`Run::current`]) is used, and without one the call is [`Error::NoRun`].
     pub fn new<I: Serialize + ?Sized>(
         run: Option<&Run>,
-        tool: &str,
+        tool: impl Into<ToolName>,
         options: Options,
         input: &I,
     ) -> Result<Call, Error> {
-        Self::build(run, tool, options, |parts| {
+        Self::build(run, tool.into(), options, |parts| {
             let fingerprint = Fingerprint::of(parts, input)?;
             Ok((fingerprint, fingerprint))
         })
@@ -47,12 +120,12 @@ impl Call {
     /// is an [`Error::PayloadMismatch`].
     pub fn with_key<I: Serialize + ?Sized, K: Serialize + ?Sized>(
         run: Option<&Run>,
-        tool: &str,
+        tool: impl Into<ToolName>,
         options: Options,
         input: &I,
         key_input: &K,
     ) -> Result<Call, Error> {
-        Self::build(run, tool, options, |parts| {
+        Self::build(run, tool.into(), options, |parts| {
             Ok((
                 Fingerprint::of(parts, input)?,
                 Fingerprint::of(parts, key_input)?,
@@ -65,12 +138,12 @@ impl Call {
     /// all of them.
     pub fn from_args(
         run: Option<&Run>,
-        tool: &str,
+        tool: impl Into<ToolName>,
         options: Options,
         args: &[&dyn KeyInput],
         key: Option<&[&dyn KeyInput]>,
     ) -> Result<Call, Error> {
-        Self::build(run, tool, options, |parts| {
+        Self::build(run, tool.into(), options, |parts| {
             let fingerprint = Fingerprint::of_args(parts, args)?;
             let key_fingerprint = match key {
                 Some(key) => Fingerprint::of_args(parts, key)?,
@@ -84,7 +157,7 @@ impl Call {
     /// fingerprints of the whole input and of the key's input with the call's parts.
     fn build(
         run: Option<&Run>,
-        tool: &str,
+        tool: ToolName,
         options: Options,
         fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(Fingerprint, Fingerprint), Error>,
     ) -> Result<Call, Error> {
@@ -93,10 +166,10 @@ impl Call {
             Some(run) if !crate::run::is_blank(run.id()) => run,
             run => {
                 let error = Error::NoRun {
-                    tool: tool.to_owned(),
+                    tool: tool.to_string(),
                     blank_id: run.as_ref().map(|run| run.id().to_owned()),
                 };
-                telemetry::rejected(tool, run.as_ref().and_then(Run::call_id), &error);
+                telemetry::rejected(&tool, run.as_ref().and_then(Run::call_id), &error);
                 return Err(error);
             }
         };
@@ -104,16 +177,16 @@ impl Call {
             tenant: run.tenant(),
             run_id: run.id(),
             call_id: run.call_id(),
-            tool,
+            tool: &tool,
         };
         let (fingerprint, key_fingerprint) = fingerprints(&parts)
-            .inspect_err(|error| telemetry::rejected(tool, run.call_id(), error))?;
-        let key = Key::of(tool, &key_fingerprint);
+            .inspect_err(|error| telemetry::rejected(&tool, run.call_id(), error))?;
+        let key = Key::of(&tool, &key_fingerprint);
         Ok(Call {
-            tally: Tally::new(tool, &key, &run),
+            tally: Tally::new(&tool, &key, &run),
             key,
             run,
-            tool: tool.into(),
+            tool,
             fingerprint,
             options: options.clamped(),
         })

@@ -254,7 +254,7 @@ async fn claim<P: Pause>(
     caches_errors: bool,
 ) -> Result<Claimed, Error> {
     let request = ClaimRequest {
-        origin: call.run.origin(&call.tool),
+        origin: call.run.origin(call.tool.to_shared()),
         fingerprint: call.fingerprint,
         token: Token::generate()?,
         lease: call.options.lease,

@@ -64,7 +64,7 @@ mod finish;
 mod settle;
 mod typed;
 
-pub use call::Call;
+pub use call::{Call, ToolName};
 pub use typed::{
     execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Checked, Compare,
     ErrorCodec, ErrorPolicy, Execution, FinishesAlone, ReleaseErrors, Replayable, RunArgument,

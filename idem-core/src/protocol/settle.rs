@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
-use super::call::Call;
+use super::call::{Call, ToolName};
 use super::claim::{Owner, LATE_CLAIM};
 use crate::background;
 use crate::error::{Error, LostTo};
@@ -157,7 +157,7 @@ impl Drop for Settle<'_> {
 pub(super) struct Settlement {
     pub(super) store: Arc<dyn Store>,
     pub(super) key: Key,
-    pub(super) tool: Arc<str>,
+    pub(super) tool: ToolName,
     pub(super) token: Token,
     pub(super) options: Options,
     pub(super) how: Settling,
