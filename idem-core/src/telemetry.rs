@@ -571,7 +571,13 @@ pub(crate) fn rejected(tool: &str, call_id: Option<&str>, error: &Error) {
     span.record("otel.status_code", "ERROR");
     tracing::warn!(error = %Logged(error), "idem: call refused");
     #[cfg(feature = "metrics")]
-    metrics::call(&ToolName::from(Arc::<str>::from(tool)), CallOutcome::Rejected, "none", None, false);
+    metrics::call(
+        &ToolName::from(Arc::<str>::from(tool)),
+        CallOutcome::Rejected,
+        "none",
+        None,
+        false,
+    );
 }
 
 /// A store operation: a panic in the store's code is the store's failure
