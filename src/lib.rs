@@ -121,7 +121,7 @@ pub mod __private_0_1_0 {
         default_tool_name, execute, execute_blocking, execute_finishing, from_idem_error,
         hook_answer, reconcile, CacheErrors, Call, Checked, Compare, Equality, ErrByJson,
         ErrByPartialEq, JsonOnly, KeyInput, OkByJson, OkByPartialEq, Probe, ReleaseErrors,
-        Replayable, RunArgument, RunSource, Sorted, ToolOutput,
+        Replayable, RunArgument, RunSource, Sorted, ToolName, ToolOutput,
     };
     pub use idem_core::{Key, Options};
 }

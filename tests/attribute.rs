@@ -218,6 +218,72 @@ impl Mailer {
     }
 }
 
+/// A mailer whose tool name is data: `name = ...` takes any expression that gives a
+/// `&str`, also one that borrows from `self` or from an argument.
+struct NamedMailer {
+    name: String,
+    sent: Counter,
+}
+
+impl NamedMailer {
+    const KIND: &'static str = "mailer_kind";
+
+    #[idempotent(name = &self.name)]
+    async fn send(&self, to: &str) -> Result<String, ToolError> {
+        self.sent.bump();
+        Ok(idem::current_key().unwrap().to_string())
+    }
+
+    #[idempotent(name = self.name.as_str())]
+    fn send_now(&self, to: &str) -> Result<String, ToolError> {
+        self.sent.bump();
+        Ok(idem::current_key().unwrap().to_string())
+    }
+
+    #[idempotent(name = Self::KIND)]
+    async fn send_kind(&self, to: &str) -> Result<String, ToolError> {
+        self.sent.bump();
+        Ok(idem::current_key().unwrap().to_string())
+    }
+}
+
+#[idempotent(name = tool, skip = [tool, counter])]
+async fn named_by_argument(tool: &str, to: String, counter: &Counter) -> Result<String, ToolError> {
+    counter.bump();
+    Ok(idem::current_key().unwrap().to_string())
+}
+
+#[tokio::test]
+async fn tool_names_may_borrow_from_the_call() {
+    let run = run("named");
+    let mailer = NamedMailer {
+        name: "mailer one".into(),
+        sent: Counter::default(),
+    };
+    let (a, b) = (
+        run.scope(mailer.send("ada@x")).await.unwrap(),
+        run.scope(mailer.send("ada@x")).await.unwrap(),
+    );
+    assert_eq!((a.as_str(), mailer.sent.get()), (b.as_str(), 1));
+    assert!(a.starts_with("mailer_one."), "{a}");
+    let now = run.sync_scope(|| mailer.send_now("ada@x")).unwrap();
+    assert_eq!(now, a, "the same name and input: the same key, replayed");
+    let kind = run.scope(mailer.send_kind("ada@x")).await.unwrap();
+    assert!(kind.starts_with("mailer_kind."), "{kind}");
+    assert_eq!(mailer.sent.get(), 2);
+
+    let counter = Counter::default();
+    for tool in ["by_argument", "by_argument", "another"] {
+        let name = String::from(tool);
+        let key = run
+            .scope(named_by_argument(&name, "ada@x".into(), &counter))
+            .await
+            .unwrap();
+        assert!(key.starts_with(&format!("{tool}.")), "{key}");
+    }
+    assert_eq!(counter.get(), 2, "one run per name");
+}
+
 #[tokio::test]
 async fn methods_leave_the_receiver_out_of_the_key() {
     let run = run("methods");

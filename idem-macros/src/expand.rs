@@ -80,9 +80,17 @@ pub fn expand(args: Args, mut func: ItemFn) -> syn::Result<TokenStream> {
 
     // The tool name: the `name` option, else the function's path as the compiler writes
     // a closure made in its body: module, type and trait, with this instantiation's
-    // generic arguments. No two tools share it.
+    // generic arguments. No two tools share it. A literal and the path live as long as
+    // the program, and the call holds them as they are; any other expression gives a
+    // `&str` that may borrow from the call (`name = &self.name`), copied for the call.
     let name = match &args.name {
-        Some(name) => quote!(#name),
+        Some(
+            name @ Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Str(_),
+                ..
+            }),
+        ) => quote!(#name),
+        Some(name) => quote!(#private::ToolName::copied(#name)),
         None => quote!({
             let __idem_here = || ();
             #private::default_tool_name(::core::any::type_name_of_val(&__idem_here))

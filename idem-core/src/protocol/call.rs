@@ -28,6 +28,12 @@ enum Name {
 }
 
 impl ToolName {
+    /// A name that may not live as long as the program (the attribute's `name = ...`
+    /// given as an expression, such as `&self.name`): copied, once for the call.
+    pub fn copied(name: &str) -> ToolName {
+        ToolName(Name::Shared(Arc::from(name)))
+    }
+
     /// The name, if it lives as long as the program.
     #[cfg(feature = "metrics")]
     pub(crate) fn as_static(&self) -> Option<&'static str> {
