@@ -572,7 +572,7 @@ pub(crate) fn rejected(tool: &str, call_id: Option<&str>, error: &Error) {
     tracing::warn!(error = %Logged(error), "idem: call refused");
     #[cfg(feature = "metrics")]
     metrics::call(
-        &ToolName::from(Arc::<str>::from(tool)),
+        &ToolName::copied(tool),
         CallOutcome::Rejected,
         "none",
         None,
