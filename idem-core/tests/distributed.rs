@@ -67,6 +67,18 @@ fn claim_request(byte: u8) -> ClaimRequest {
     }
 }
 
+/// A store on `table` with a pool of `connections`, whose operations may wait 30 s: the
+/// renewal tests' store, where the pool, not the timeout, is what they load.
+async fn store_on(url: &str, table: &str, connections: usize) -> PostgresStore {
+    PostgresStore::builder(url)
+        .table(table)
+        .max_connections(connections)
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .unwrap()
+}
+
 async fn drop_table(url: &str, table: &str) {
     if let Ok((client, conn)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await {
         tokio::spawn(conn);
@@ -195,14 +207,10 @@ async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_agai
 async fn postgres_a_burst_of_calls_does_not_starve_a_running_calls_renewals() {
     let Some(url) = postgres_url() else { return };
     let table = unique("idem_starved");
-    let store = |connections| {
-        PostgresStore::builder(&url)
-            .table(&table)
-            .max_connections(connections)
-            .timeout(Duration::from_secs(30))
-            .connect()
-    };
-    let (busy, other) = (store(1).await.unwrap(), store(4).await.unwrap());
+    let (busy, other) = (
+        store_on(&url, &table, 1).await,
+        store_on(&url, &table, 4).await,
+    );
     let lease = Duration::from_millis(600);
     let ran = Arc::new(AtomicUsize::new(0));
     let call = |store: &PostgresStore, tool: &'static str, n: u32, body: Duration, value: u32| {
@@ -264,13 +272,7 @@ async fn postgres_a_burst_of_calls_does_not_starve_a_running_calls_renewals() {
 async fn postgres_renewals_of_many_bodies_leave_the_calls_a_connection() {
     let Some(url) = postgres_url() else { return };
     let table = unique("idem_renewals");
-    let store = PostgresStore::builder(&url)
-        .table(&table)
-        .max_connections(1)
-        .timeout(Duration::from_secs(30))
-        .connect()
-        .await
-        .unwrap();
+    let store = store_on(&url, &table, 1).await;
     let run = Run::new("bodies").with_store(store.clone());
     let ran = Arc::new(AtomicUsize::new(0));
     let calls: Vec<_> = (0..600u32)
@@ -316,13 +318,7 @@ async fn postgres_renewals_of_many_bodies_leave_the_calls_a_connection() {
 async fn postgres_a_locked_row_holds_up_its_own_renewal_only() {
     let Some(url) = postgres_url() else { return };
     let table = unique("idem_locked");
-    let store = PostgresStore::builder(&url)
-        .table(&table)
-        .max_connections(1)
-        .timeout(Duration::from_secs(30))
-        .connect()
-        .await
-        .unwrap();
+    let store = store_on(&url, &table, 1).await;
     let (locked, free) = (claim_request(1), claim_request(2));
     let key = |request: &ClaimRequest| Key::of("tool", &request.fingerprint);
     for request in [&locked, &free] {
@@ -435,13 +431,7 @@ fn postgres_a_renewal_started_on_an_idle_runtime_holds_up_no_other() {
 async fn postgres_a_renewal_the_server_refuses_fails_alone() {
     let Some(url) = postgres_url() else { return };
     let table = unique("idem_refused");
-    let store = PostgresStore::builder(&url)
-        .table(&table)
-        .max_connections(1)
-        .timeout(Duration::from_secs(30))
-        .connect()
-        .await
-        .unwrap();
+    let store = store_on(&url, &table, 1).await;
     let mut claims = Vec::new();
     for n in 0..40u8 {
         let request = claim_request(n);

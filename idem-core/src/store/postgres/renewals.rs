@@ -28,8 +28,9 @@
 //! would, ahead of a takeover that waited on the same lock. (Answered at once with an
 //! error instead, it was tried again half a renewal period later, and a lock shorter
 //! than the lease let a worker waiting on it take the claim over first.) A renewal
-//! whose caller stopped waiting is dropped from the queue unsent. A statement the server refuses for one claim's values (a data error) is sent
-//! again one claim at a time, so that claim's renewal alone fails.
+//! whose caller stopped waiting is dropped from the queue unsent. A statement the
+//! server refuses for one claim's values (a data error) is sent again one claim at a
+//! time, so that claim's renewal alone fails.
 //!
 //! The task runs on idem's own runtime (see [`crate::background`]), never on a caller's,
 //! which may be shut down or no longer driven. Each renewal waits for its answer within
@@ -135,10 +136,7 @@ impl PostgresStore {
 
     /// Renews `batch` in one statement: what it found for each claim, by key.
     async fn renew_all(&self, batch: &[Renewal]) -> Result<Found, Unsent> {
-        let client = self.renewal_client().await.map_err(|error| Unsent {
-            error,
-            for_a_value: false,
-        })?;
+        let client = self.renewal_client().await?;
         let client = &client;
         let keys: Vec<&str> = batch.iter().map(|r| r.key.as_str()).collect();
         let tokens: Vec<&[u8]> = batch.iter().map(|r| &r.token[..]).collect();
@@ -161,6 +159,18 @@ impl PostgresStore {
             .collect::<Result<_, tokio_postgres::Error>>()
             .map_err(unsent)
     }
+
+    /// [`PostgresStore::renew_all`] within the store's timeout.
+    async fn bounded_renewals(&self, batch: &[Renewal]) -> Result<Found, Unsent> {
+        match crate::store::net::bounded(STORE, self.inner.timeout, async {
+            Ok(self.renew_all(batch).await)
+        })
+        .await
+        {
+            Ok(sent) => sent,
+            Err(error) => Err(error.into()),
+        }
+    }
 }
 
 /// A statement of renewals that failed, and whether the server refused a value in it
@@ -169,6 +179,16 @@ impl PostgresStore {
 struct Unsent {
     error: Error,
     for_a_value: bool,
+}
+
+/// A failure before the statement reached the server (no connection, a timeout).
+impl From<Error> for Unsent {
+    fn from(error: Error) -> Self {
+        Unsent {
+            error,
+            for_a_value: false,
+        }
+    }
 }
 
 /// The task that sends the renewals waiting, one statement at a time, until none is.
@@ -235,23 +255,6 @@ impl Sender {
         queue
             .waiting
             .extend(locked.into_iter().map(|r| Renewal { not_before, ..r }));
-    }
-}
-
-impl PostgresStore {
-    /// [`PostgresStore::renew_all`] within the store's timeout.
-    async fn bounded_renewals(&self, batch: &[Renewal]) -> Result<Found, Unsent> {
-        match crate::store::net::bounded(STORE, self.inner.timeout, async {
-            Ok(self.renew_all(batch).await)
-        })
-        .await
-        {
-            Ok(sent) => sent,
-            Err(error) => Err(Unsent {
-                error,
-                for_a_value: false,
-            }),
-        }
     }
 }
 
