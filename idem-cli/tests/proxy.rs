@@ -182,28 +182,26 @@ fn via_stdio_proxy(extra: &[&str], server: Vec<String>) -> Vec<String> {
 /// events); killed on drop.
 struct HttpServer {
     child: Child,
+    port: u16,
     url: String,
 }
 
 impl HttpServer {
+    /// On a port the server picks: it binds port 0 and says which port it got, so two
+    /// tests never race for one port (a port picked here and bound later may be taken
+    /// by another test's proxy in between, and its calls would go there).
     fn start(sdk: &Sdk, scratch: &Scratch) -> Self {
-        HttpServer::start_on(sdk, scratch, free_port())
+        HttpServer::start_on(sdk, scratch, 0)
     }
 
-    /// On `port` (again, after it was killed).
+    /// On `port` (again, after it was killed); fails if the port is taken.
     fn start_on(sdk: &Sdk, scratch: &Scratch, port: u16) -> Self {
         HttpServer::spawn(sdk, scratch, "py_server.py", port, &[])
     }
 
     /// `tests/mcp_sdk/raw_server.py --http` in `mode`.
     fn raw(sdk: &Sdk, scratch: &Scratch, mode: &str) -> Self {
-        HttpServer::spawn(
-            sdk,
-            scratch,
-            "raw_server.py",
-            free_port(),
-            &[("MODE", mode)],
-        )
+        HttpServer::spawn(sdk, scratch, "raw_server.py", 0, &[("MODE", mode)])
     }
 
     fn spawn(sdk: &Sdk, scratch: &Scratch, file: &str, port: u16, env: &[(&str, &str)]) -> Self {
@@ -212,18 +210,32 @@ impl HttpServer {
             .arg(sdk.fixture(file))
             .args(["--http", &port.to_string()])
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null());
         scratch.env(sdk, &mut command, 1000);
         command.envs(env.iter().copied());
-        let child = command.spawn().expect("the server starts");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "the HTTP server never listened");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let mut child = command.spawn().expect("the server starts");
+        // The server prints `listening on PORT` once it listens; it exits if it cannot
+        // bind, and then says nothing.
+        let stdout = child.stdout.take().expect("stdout");
+        let (said, heard) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines().map_while(Result::ok);
+            let _ = said.send(lines.next());
+            lines.for_each(drop);
+        });
+        let line = heard
+            .recv_timeout(Duration::from_secs(30))
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| panic!("{file} never listened on port {port}"));
+        let port = line
+            .strip_prefix("listening on ")
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{file} said {line:?}, not where it listens"));
         HttpServer {
             child,
+            port,
             url: format!("http://127.0.0.1:{port}/mcp"),
         }
     }
@@ -1266,12 +1278,7 @@ fn an_http_server_that_restarts_or_is_down_is_handled_request_by_request() {
     for at_most_once in [false, true] {
         let scratch = Scratch::new();
         let server = HttpServer::start(&sdk, &scratch);
-        let port: u16 = server
-            .url
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.trim_end_matches("/mcp").parse().ok())
-            .unwrap();
+        let port = server.port;
         let mut extra = vec![];
         if at_most_once {
             extra.push("--at-most-once");

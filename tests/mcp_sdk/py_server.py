@@ -1,7 +1,8 @@
 """Upstream MCP test server (official Python SDK, FastMCP).
 stdio:  python py_server.py
-HTTP:   python py_server.py --http PORT [--json]   (endpoint http://127.0.0.1:PORT/mcp; POST replies are SSE
-        streams unless --json, which makes them plain application/json)
+HTTP:   python py_server.py --http PORT [--json]   (endpoint http://127.0.0.1:PORT/mcp; PORT 0 takes a free
+        one; prints "listening on PORT" once it listens; POST replies are SSE streams unless --json, which
+        makes them plain application/json)
 Env: LEDGER (send_email log), LATENCY_MS (default 1000), READS (count_emails log), FAILS (fail_once log)."""
 import json, os, sys, uuid
 from typing import Any, TypedDict
@@ -81,8 +82,18 @@ def echo_meta(ctx: Context) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "--http":
-        mcp.settings.host, mcp.settings.port = "127.0.0.1", int(sys.argv[2])
+        # Binds the port itself (0: any free one) and prints it once it listens, so a
+        # test never takes another process listening on a port it picked for its server.
+        import socket
+        import uvicorn
+
         mcp.settings.json_response = "--json" in sys.argv[3:]
-        mcp.run(transport="streamable-http")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", int(sys.argv[2])))
+        sock.listen(128)
+        print(f"listening on {sock.getsockname()[1]}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(mcp.streamable_http_app(), log_level="warning"))
+        anyio.run(server.serve, [sock])
     else:
         mcp.run()  # stdio

@@ -12,7 +12,8 @@ Tools: `send` (appends a line to $LEDGER per run; read-only when RO=true) and `l
 
 In every mode, `test/hang` is never answered. INIT_DELAY_MS delays the answer to
 `initialize`; PIDS names a file each server process appends its pid to. With `--http
-PORT` it serves one streamable HTTP endpoint (JSON answers) instead of stdio.
+PORT` it serves one streamable HTTP endpoint (JSON answers) instead of stdio, on a free
+port if PORT is 0, and prints `listening on PORT` once it listens.
 """
 import json
 import os
@@ -130,7 +131,9 @@ def serve_http(port):
         def log_message(self, *args):
             pass
 
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    print(f"listening on {server.server_address[1]}", flush=True)
+    server.serve_forever()
 
 
 if os.environ.get("PIDS"):
