@@ -2,6 +2,8 @@
 //! Made once, before anything touches the store; every other part of the protocol
 //! reads from it.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
@@ -16,8 +18,10 @@ use crate::run::Run;
 use crate::telemetry::{self, Handover, Report, Tally};
 
 /// A tool's name as a call holds it: the attribute's, which lives as long as the
-/// program, or a dynamic tool's, shared. Preparing a call copies neither; a name is
-/// copied only where a store keeps it (a claim's [`Origin`](crate::store::Origin)).
+/// program, or a dynamic tool's, shared. Preparing a call copies neither. Where a
+/// store keeps the name (a claim's [`Origin`](crate::store::Origin)), it gets a shared
+/// copy: a dynamic tool's own, or for a name that lives as long as the program, the
+/// one copy this thread made of it (see [`shared_static`]).
 #[derive(Clone)]
 pub struct ToolName(Name);
 
@@ -46,10 +50,36 @@ impl ToolName {
     /// The name as a store keeps it.
     pub(crate) fn to_shared(&self) -> Arc<str> {
         match &self.0 {
-            Name::Static(name) => Arc::from(*name),
+            Name::Static(name) => shared_static(name),
             Name::Shared(name) => Arc::clone(name),
         }
     }
+}
+
+/// A shared copy of a name that lives as long as the program: made once per thread and
+/// name, and cloned for every claim after. A copy made at each claim cost every miss an
+/// allocation that the store keeps (the claim's origin), and cost the allocator more
+/// than the copy: a miss whose input is owned took 40% longer on the memory store
+/// (`docs/performance.md`). Names are told apart by where their text is: a program has
+/// as many as it has tools (and instantiations of generic ones), so each thread's table
+/// stays that small.
+fn shared_static(name: &'static str) -> Arc<str> {
+    type Names = HashMap<(usize, usize), Arc<str>, foldhash::fast::RandomState>;
+    thread_local! {
+        static NAMES: RefCell<Names> = RefCell::new(Names::default());
+    }
+    let at = (name.as_ptr() as usize, name.len());
+    NAMES
+        .try_with(|names| {
+            Arc::clone(
+                names
+                    .borrow_mut()
+                    .entry(at)
+                    .or_insert_with(|| Arc::from(name)),
+            )
+        })
+        // A claim made while this thread's locals are torn down.
+        .unwrap_or_else(|_| Arc::from(name))
 }
 
 impl Deref for ToolName {
@@ -232,5 +262,35 @@ impl Call {
     /// Goes on reporting the call's outcome, in the part of the call that owns it now.
     pub(super) fn resume(&self, handover: Handover) -> Report<'_> {
         Report::resume(&self.tool, &self.key, &self.run, &self.tally, handover)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::ToolName;
+
+    #[test]
+    fn a_static_name_is_copied_once_per_thread_and_told_apart_by_its_length() {
+        const TEXT: &str = "send_email::{{closure}}";
+        let name = ToolName::from(TEXT);
+        let (first, second) = (name.to_shared(), name.to_shared());
+        assert_eq!(&*first, TEXT);
+        assert!(
+            Arc::ptr_eq(&first, &second),
+            "one copy, shared by the claims"
+        );
+        // A name that starts where another does (the default name is a prefix of the
+        // compiler's type name) is a name of its own.
+        let shorter = ToolName::from(&TEXT[..10]);
+        assert_eq!(&*shorter.to_shared(), "send_email");
+        // Another thread makes its own copy, of the same text.
+        let there = std::thread::spawn(move || name.to_shared()).join().unwrap();
+        assert_eq!(&*there, TEXT);
+        assert!(!Arc::ptr_eq(&first, &there));
+        // A dynamic tool's name is its own Arc.
+        let dynamic: Arc<str> = Arc::from("search");
+        assert!(Arc::ptr_eq(&ToolName::from(&dynamic).to_shared(), &dynamic));
     }
 }
