@@ -86,6 +86,32 @@ async fn concurrent_misses(run: &Run, tasks: u64, calls: u64, from: u64) -> Dura
     started.elapsed() / (tasks * per_task) as u32
 }
 
+/// A miss's two store operations on `store`, as a call makes them for a new key
+/// `i`: the claim (a record with its origin), then the completion with a result of the
+/// bench's size. What the store costs a miss, without the call around it.
+async fn store_miss(store: &SledStore, i: u64) {
+    use idem::store::{ClaimRequest, Fingerprint, Key, Origin, Outcome, Store, Token};
+    let key = Key::from_text(format!("send_email.{i:064}"));
+    let request = ClaimRequest {
+        origin: Origin::new("bench-sled-store", "send_email"),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        token: Token::from_bits(u128::from(i)),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(86_400),
+        take_over_expired: true,
+        retry_failed: false,
+    };
+    let claim = store.claim(&key, &request).await.unwrap();
+    assert!(
+        matches!(claim, idem::store::Claim::Acquired { .. }),
+        "{claim:?}"
+    );
+    let result = serde_json::to_vec(&message_id()).unwrap();
+    let ttl = request.ttl;
+    let done = store.complete(&key, request.token, Outcome::Completed(&result), ttl);
+    std::hint::black_box(done.await.unwrap());
+}
+
 /// Time per call of `n` calls of `op`, numbered on from `i`.
 async fn batch<F: Future>(n: usize, i: &mut u64, op: &mut impl FnMut(u64) -> F) -> Duration {
     let t = Instant::now();
@@ -383,6 +409,22 @@ fn main() {
             serial,
             Some(("two sled insert + flush", floor)),
         );
+        // The store's own part of that miss: its claim and its completion, called
+        // directly, without the call around them (key, span, heartbeat, read-back).
+        let (stored, floor) = compare(
+            m,
+            |i| store_miss(&store, 30_000_000 + i),
+            |k| {
+                let raw = &raw;
+                async move { scenario::sled_two_flushes(raw, 1 << 40 | k, None) }
+            },
+        )
+        .await;
+        t.row(
+            "sled: the miss's claim + completion alone",
+            stored,
+            Some(("two sled insert + flush", floor)),
+        );
         for tasks in [8u64, 64] {
             let per_call = concurrent_misses(&run, tasks, 640, 10_000_000).await;
             t.row(
@@ -605,6 +647,17 @@ mod network {
         t.row(
             "redis: hit",
             hit,
+            Some(("one round trip (GET of 168 B)", rt)),
+        );
+        // The hit's command alone: what the store's command costs over a `GET`,
+        // without the call around it.
+        let record = format!("{prefix}floor-record");
+        floor.write(&record, 270).await;
+        let (command, rt) =
+            paired(n, |_| floor.claim_command(&record), |_| floor.round_trip()).await;
+        t.row(
+            "redis: the hit's command alone (SET NX GET)",
+            command,
             Some(("one round trip (GET of 168 B)", rt)),
         );
         // A LocalCache keeps what its own process completed: complete through it first.

@@ -246,6 +246,37 @@ impl RedisFloor {
         std::hint::black_box(value.unwrap());
     }
 
+    /// Writes a value of `len` bytes under `key`, for ten minutes.
+    pub async fn write(&self, key: &str, len: usize) {
+        let mut c = self.connection.clone();
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg(vec![7u8; len])
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+
+    /// A hit's command alone, as the store sends it: `SET key claim NX GET PX` with a
+    /// 150-byte claim (a claim with its origin), on a `key` that holds a record (see
+    /// [`RedisFloor::write`]), which comes back and stays.
+    pub async fn claim_command(&self, key: &str) {
+        let mut c = self.connection.clone();
+        let found: Option<Vec<u8>> = redis::cmd("SET")
+            .arg(key)
+            .arg(&[1u8; 150][..])
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        std::hint::black_box(found.expect("the record is there"));
+    }
+
     /// A fenced miss done the plain way on Redis 7, on a new key `<prefix>floor-<k>`: a
     /// claim (`SET key claim NX GET PX`, a 78-byte claim), then a 168-byte record
     /// written only while the claim is still there, which on Redis 7 takes a script
