@@ -129,7 +129,18 @@ pub fn filled_store(dir: &std::path::Path, records: u64, ttl: std::time::Duratio
             (key.as_str().as_bytes().to_vec(), record.encode())
         });
     }
-    SledStore::open(dir).unwrap()
+    // sled lets go of the directory's lock from a thread of its own, a moment after its
+    // last handle is dropped: until then the store cannot open it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match SledStore::open(dir) {
+            Ok(store) => return store,
+            Err(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            Err(e) => panic!("the filled store does not open: {e}"),
+        }
+    }
 }
 
 /// The floor's sled database in `dir`, holding what [`filled_store`] holds the plain
