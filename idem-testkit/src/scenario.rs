@@ -274,18 +274,23 @@ impl RedisFloor {
     /// 150-byte claim (a claim with its origin), on a `key` that holds a record (see
     /// [`RedisFloor::write`]), which comes back and stays.
     pub async fn claim_command(&self, key: &str) {
+        let found = self.set_if_absent(key, &[1u8; 150]).await;
+        std::hint::black_box(found.expect("the record is there"));
+    }
+
+    /// `SET key claim NX GET PX` (ten minutes): what was there, if anything.
+    async fn set_if_absent(&self, key: &str, claim: &[u8]) -> Option<Vec<u8>> {
         let mut c = self.connection.clone();
-        let found: Option<Vec<u8>> = redis::cmd("SET")
+        redis::cmd("SET")
             .arg(key)
-            .arg(&[1u8; 150][..])
+            .arg(claim)
             .arg("NX")
             .arg("GET")
             .arg("PX")
             .arg(600_000)
             .query_async(&mut c)
             .await
-            .unwrap();
-        std::hint::black_box(found.expect("the record is there"));
+            .unwrap()
     }
 
     /// A fenced miss done the plain way on Redis 7, on a new key `<prefix>floor-<k>`: a
@@ -307,18 +312,9 @@ return 1",
             )
         });
         let claim = [1u8; 78];
-        let mut c = self.connection.clone();
-        let found: Option<Vec<u8>> = redis::cmd("SET")
-            .arg(key)
-            .arg(&claim[..])
-            .arg("NX")
-            .arg("GET")
-            .arg("PX")
-            .arg(600_000)
-            .query_async(&mut c)
-            .await
-            .unwrap();
+        let found = self.set_if_absent(key, &claim).await;
         assert!(found.is_none(), "the floor's key {key} was not new");
+        let mut c = self.connection.clone();
         let applied: i64 = FENCED
             .key(key)
             .arg(&claim[..])
