@@ -21,7 +21,7 @@ use crate::telemetry::{self, Handover, Report, Tally};
 /// program, or a dynamic tool's, shared. Preparing a call copies neither. Where a
 /// store keeps the name (a claim's [`Origin`](crate::store::Origin)), it gets a shared
 /// copy: a dynamic tool's own, or for a name that lives as long as the program, the
-/// one copy this thread made of it (see [`shared_static`]).
+/// one copy this thread made of it.
 #[derive(Clone)]
 pub struct ToolName(Name);
 
