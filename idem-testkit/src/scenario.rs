@@ -130,12 +130,15 @@ pub fn filled_store(dir: &std::path::Path, records: u64, ttl: std::time::Duratio
         });
     }
     // sled lets go of the directory's lock from a thread of its own, a moment after its
-    // last handle is dropped: until then the store cannot open it.
+    // last handle is dropped: until then the store finds it held elsewhere.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         match SledStore::open(dir) {
             Ok(store) => return store,
-            Err(_) if std::time::Instant::now() < deadline => {
+            Err(e)
+                if e.store_kind() == Some(idem::StoreErrorKind::HeldElsewhere)
+                    && std::time::Instant::now() < deadline =>
+            {
                 std::thread::sleep(std::time::Duration::from_millis(10))
             }
             Err(e) => panic!("the filled store does not open: {e}"),

@@ -82,8 +82,8 @@ def echo_meta(ctx: Context) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "--http":
-        # Binds the port itself (0: any free one) and prints it once it listens, so a
-        # test never takes another process listening on a port it picked for its server.
+        # Binds the port itself (0: any free one) and prints it once it listens: a port
+        # the test picked and let go of could be taken by another test's proxy first.
         import socket
         import uvicorn
 
