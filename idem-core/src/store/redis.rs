@@ -21,6 +21,10 @@ use crate::store::{
     Page, Resolution, StateKind, Store, Unreadable, WALK_PAGE,
 };
 
+mod held;
+
+use held::{splice, Held};
+
 const STORE: &str = "redis";
 
 /// How many times a claim reads again when the record it meant to replace changed
@@ -221,7 +225,13 @@ fn px(ttl: Duration) -> u64 {
 ///   still, byte for byte, the one read; otherwise the claim starts again.
 /// - **Complete**, **renew** and **release**: one Lua script each, fenced by the
 ///   owner's token. A renewal rewrites the claim as if stored now (its times count from
-///   0 again), with the claim's own fingerprint.
+///   0 again), with the claim's own fingerprint. A completion and a renewal keep parts
+///   of the claim they replace (its fingerprint, history and origin); the store keeps
+///   the bytes of each claim this process wrote, builds the whole new record itself,
+///   and writes it only if the key still holds exactly those bytes, so the server
+///   only compares and sets. Where the key holds anything else (a renewal whose answer
+///   was lost, a claim taken over), a second script splices the parts in on the
+///   server and decides as the owner's token says.
 ///   A miss is the claim plus a completion: two round trips, one of them a script.
 /// - **Get** is that `GET`, `PTTL`, `TIME` transaction; **delete** is `DEL`.
 ///
@@ -247,6 +257,8 @@ struct Inner {
     connection: ConnectionManager,
     prefix: String,
     timeout: Duration,
+    /// The claims this process holds, as written: see [`held`].
+    held: Held,
 }
 
 /// Configures a [`RedisStore`]: key prefix and timeout.
@@ -297,6 +309,7 @@ impl RedisStoreBuilder {
                 connection,
                 prefix: self.prefix,
                 timeout: self.timeout,
+                held: Held::default(),
             }),
         })
     }
@@ -510,6 +523,51 @@ impl RedisStore {
             .transpose()
     }
 
+    /// Writes as the owner of the claim `token` holds: the record `header` (an outcome's
+    /// or a renewed claim's, with no fingerprint) with the claim's fingerprint and its
+    /// own bytes from `split` on, then `payload`, expiring in `px` ms. Where this
+    /// process holds the claim's bytes ([`held`]), the whole record is built here and
+    /// written only if the key still holds exactly them (`REPLACE`, no splicing on the
+    /// server); otherwise, or if it does not, the splicing script (`COMPLETE`) decides.
+    /// A renewal that keeps its claim passes the lease's new end as `until`: the claim
+    /// written is kept in place of the old.
+    #[allow(clippy::too_many_arguments)]
+    async fn owner_write(
+        &self,
+        key: &Key,
+        token: Token,
+        header: &[u8],
+        split: usize,
+        payload: &[u8],
+        px: u64,
+        until: Option<Timestamp>,
+    ) -> Result<Fenced, Error> {
+        let px = px.to_string();
+        if let Some(claim) = self.inner.held.take(key, token) {
+            if let Some(record) = splice(&claim, header, split, payload) {
+                let written: i64 = self
+                    .script(&REPLACE, key, &[&claim, &record, px.as_bytes()])
+                    .await?;
+                if written == 1 {
+                    if let Some(until) = until {
+                        self.inner.held.hold(key, record, until);
+                    }
+                    return Ok(Fenced::Applied);
+                }
+            }
+        }
+        let token = token.0.to_be_bytes();
+        let split = split.to_string();
+        let applied: i64 = self
+            .script(
+                &COMPLETE,
+                key,
+                &[&token, header, payload, px.as_bytes(), split.as_bytes()],
+            )
+            .await?;
+        Ok(net::fenced(applied as u64))
+    }
+
     /// A page of the listing (see [`Store::list`]), with the bytes each listed record
     /// was read as.
     async fn page(
@@ -678,8 +736,10 @@ impl Store for RedisStore {
             },
         };
         let claim = fresh.encode();
+        let until = fresh.meta.claimed_at.after(request.lease);
         for _ in 0..CLAIM_ATTEMPTS {
             let Some(mut bytes) = self.set_if_absent(key, &claim, ttl).await? else {
+                self.inner.held.hold(key, claim, until);
                 return Ok(Claim::Acquired { took_over: false });
             };
             // A hit: the result is the tail of the bytes Redis returned, handed on
@@ -726,6 +786,9 @@ impl Store for RedisStore {
                 .script(&REPLACE, key, &[&found.bytes, &next, px.as_bytes()])
                 .await?;
             if replaced == 1 {
+                if matches!(decision, Claim::Acquired { .. }) {
+                    self.inner.held.hold(key, next, until);
+                }
                 return Ok(decision);
             }
             tracing::debug!(%key, "record changed between a claim's read and its write; reading again");
@@ -759,20 +822,13 @@ impl Store for RedisStore {
             },
         }
         .encode();
-        let ttl = ttl.to_string();
-        let token = token.0.to_be_bytes();
-        let split = (COMPLETED_AT + 8).to_string();
-        let applied: i64 = self
-            .script(
-                &COMPLETE,
-                key,
-                &[&token, &header, payload, ttl.as_bytes(), split.as_bytes()],
-            )
-            .await?;
-        Ok(net::fenced(applied as u64))
+        self.owner_write(key, token, &header, COMPLETED_AT + 8, payload, ttl, None)
+            .await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
+        // Released, the claim is no longer this process's to complete.
+        self.inner.held.take(key, token);
         let token = token.0.to_be_bytes();
         let applied: i64 = self.script(&RELEASE, key, &[&token]).await?;
         Ok(net::fenced(applied as u64))
@@ -801,17 +857,10 @@ impl Store for RedisStore {
             },
         }
         .encode();
-        let px = px.to_string();
-        let token = token.0.to_be_bytes();
-        let split = CLAIMED_AT.to_string();
-        let applied: i64 = self
-            .script(
-                &COMPLETE,
-                key,
-                &[&token, &claim, b"", px.as_bytes(), split.as_bytes()],
-            )
-            .await?;
-        Ok(net::fenced(applied as u64))
+        // A claim given up is not this process's any more: it is not kept.
+        let until = (!lease.is_zero()).then(|| Timestamp::now().after(lease));
+        self.owner_write(key, token, &claim, CLAIMED_AT, b"", px, until)
+            .await
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
@@ -931,5 +980,256 @@ mod tests {
         assert_eq!(server_version("redis_version:6.2.14\n"), Some((6, 2)));
         assert_eq!(server_version("redis_version:unknown\n"), None);
         assert_eq!(server_version("# Server\n"), None);
+    }
+
+    /// A store under a prefix of its own on `IDEM_REDIS_URL`, and a plain connection
+    /// to read its keys behind its back; `None` (said loudly) without the variable.
+    async fn store_and_connection() -> Option<(RedisStore, redis::aio::MultiplexedConnection)> {
+        let Some(url) = std::env::var("IDEM_REDIS_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+        else {
+            eprintln!("SKIPPED: IDEM_REDIS_URL is not set; this Redis test checked nothing");
+            return None;
+        };
+        let prefix = format!(
+            "idem-held-{}-{:x}:",
+            std::process::id(),
+            Token::generate().ok()?.to_bits()
+        );
+        let store = RedisStore::builder(&url)
+            .prefix(prefix)
+            .connect()
+            .await
+            .unwrap();
+        let client = redis::Client::open(url).unwrap();
+        Some((
+            store,
+            client.get_multiplexed_async_connection().await.unwrap(),
+        ))
+    }
+
+    async fn raw(
+        c: &mut redis::aio::MultiplexedConnection,
+        store: &RedisStore,
+        key: &Key,
+    ) -> Option<Vec<u8>> {
+        redis::cmd("GET")
+            .arg(store.redis_key(key))
+            .query_async(c)
+            .await
+            .unwrap()
+    }
+
+    fn claim_request(lease: Duration) -> ClaimRequest {
+        ClaimRequest {
+            origin: crate::store::Origin::new("run-held", "send_email"),
+            fingerprint: Fingerprint::from_bytes([9; 32]),
+            token: Token::generate().unwrap(),
+            lease,
+            ttl: Duration::from_secs(60),
+            take_over_expired: true,
+            retry_failed: true,
+        }
+    }
+
+    /// The whole record a completion (or a renewal) builds from the claim it holds is
+    /// byte for byte the one the splicing script writes over the same claim: the same
+    /// header, the same payload, on two keys holding the same claim.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_claim_is_overwritten_with_the_record_the_script_would_write() {
+        let Some((store, mut c)) = store_and_connection().await else {
+            return;
+        };
+        let (held, copy) = (Key::from_text("held"), Key::from_text("copy"));
+        let request = claim_request(Duration::from_secs(30));
+        assert!(matches!(
+            store.claim(&held, &request).await.unwrap(),
+            Claim::Acquired { .. }
+        ));
+        let token = request.token;
+        let header = |split: usize| {
+            let state = match split {
+                CLAIMED_AT => State::InProgress {
+                    token,
+                    lease_until: Timestamp(30_000),
+                },
+                _ => State::Completed { result: Vec::new() },
+            };
+            let meta = Meta {
+                renewed_at: (split == CLAIMED_AT).then_some(Timestamp(1_700_000_000_123)),
+                completed_at: (split != CLAIMED_AT).then_some(Timestamp(1_700_000_000_456)),
+                ..Meta::default()
+            };
+            let record = Record {
+                fingerprint: Fingerprint::from_bytes([0; 32]),
+                created_at: Timestamp(0),
+                expires_at: Timestamp(90_000),
+                state,
+                meta,
+            };
+            record.encode()
+        };
+        for (split, payload, until) in [
+            (
+                CLAIMED_AT,
+                &b""[..],
+                Some(Timestamp::now().after(Duration::from_secs(30))),
+            ),
+            (COMPLETED_AT + 8, &br#"{"id":"msg_1"}"#[..], None),
+        ] {
+            // The same claim under `copy`, written by hand: this store holds no claim there.
+            let stored = raw(&mut c, &store, &held).await.unwrap();
+            assert_eq!(store.inner.held.len(), 1, "the claim is held");
+            let _: () = redis::cmd("SET")
+                .arg(store.redis_key(&copy))
+                .arg(&stored)
+                .arg("PX")
+                .arg(60_000)
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            let header = header(split);
+            let fast = store
+                .owner_write(&held, token, &header, split, payload, 90_000, until)
+                .await
+                .unwrap();
+            let split_text = split.to_string();
+            let scripted: i64 = store
+                .script(
+                    &COMPLETE,
+                    &copy,
+                    &[
+                        &token.0.to_be_bytes(),
+                        &header,
+                        payload,
+                        b"90000",
+                        split_text.as_bytes(),
+                    ],
+                )
+                .await
+                .unwrap();
+            assert_eq!((fast, scripted), (Fenced::Applied, 1));
+            let (written, expected) = (
+                raw(&mut c, &store, &held).await,
+                raw(&mut c, &store, &copy).await,
+            );
+            assert_eq!(written, expected, "split at {split}");
+        }
+        let record = store.get(&held).await.unwrap().unwrap();
+        assert_eq!(record.fingerprint, request.fingerprint);
+        assert_eq!(
+            record.state,
+            State::Completed {
+                result: br#"{"id":"msg_1"}"#.to_vec()
+            }
+        );
+        assert_eq!(record.meta.renewed_at, Some(Timestamp(1_700_000_000_123)));
+        assert_eq!(
+            record.meta.origin.as_ref().map(|o| &*o.tool),
+            Some("send_email")
+        );
+        assert_eq!(store.inner.held.len(), 0, "a completed claim is not held");
+    }
+
+    /// The held bytes are a shortcut, never the fence: a claim that changed behind this
+    /// process's back (a renewal whose answer was lost, here made by another store) is
+    /// still completed by its owner, through the script, with that renewal kept; a claim
+    /// taken over is not completed by its old owner, whose completion leaves the new
+    /// owner's claim held; a claim given up is no longer held.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_that_changed_behind_its_back_is_decided_by_the_script() {
+        let Some((store, _c)) = store_and_connection().await else {
+            return;
+        };
+        let other = RedisStore {
+            inner: Arc::new(Inner {
+                connection: store.inner.connection.clone(),
+                prefix: store.inner.prefix.clone(),
+                timeout: store.inner.timeout,
+                held: Held::default(),
+            }),
+        };
+        let key = Key::from_text("changed");
+        let request = claim_request(Duration::from_secs(30));
+        store.claim(&key, &request).await.unwrap();
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        assert_eq!(
+            other.renew(&key, request.token, lease, ttl).await.unwrap(),
+            Fenced::Applied
+        );
+        let renewed_at = store.get(&key).await.unwrap().unwrap().meta.renewed_at;
+        assert!(renewed_at.is_some());
+        let done = store
+            .complete(&key, request.token, Outcome::Completed(b"1"), ttl)
+            .await;
+        assert_eq!(done.unwrap(), Fenced::Applied);
+        let record = store.get(&key).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            State::Completed {
+                result: b"1".to_vec()
+            }
+        );
+        assert_eq!(
+            record.meta.renewed_at, renewed_at,
+            "the other store's renewal is kept"
+        );
+        assert_eq!(store.inner.held.len(), 0);
+
+        // Taken over, in this same process: the old owner is fenced off.
+        let key = Key::from_text("taken");
+        let first = claim_request(Duration::from_millis(20));
+        store.claim(&key, &first).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let second = claim_request(Duration::from_secs(30));
+        let took = store.claim(&key, &second).await.unwrap();
+        assert!(
+            matches!(took, Claim::Acquired { took_over: true }),
+            "{took:?}"
+        );
+        let late = store
+            .complete(&key, first.token, Outcome::Completed(b"old"), ttl)
+            .await;
+        assert_eq!(late.unwrap(), Fenced::LostLease);
+        assert_eq!(
+            store.renew(&key, first.token, lease, ttl).await.unwrap(),
+            Fenced::LostLease
+        );
+        assert_eq!(
+            store.release(&key, first.token).await.unwrap(),
+            Fenced::LostLease
+        );
+        assert_eq!(
+            store.inner.held.len(),
+            1,
+            "the new owner's claim is still held"
+        );
+        let done = store
+            .complete(&key, second.token, Outcome::Completed(b"new"), ttl)
+            .await;
+        assert_eq!(done.unwrap(), Fenced::Applied);
+        let record = store.get(&key).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            State::Completed {
+                result: b"new".to_vec()
+            }
+        );
+        assert_eq!((record.meta.attempts, record.meta.takeovers), (2, 1));
+
+        // Given up (a zero lease): no longer held, and found abandoned.
+        let key = Key::from_text("given up");
+        let request = claim_request(Duration::from_secs(30));
+        store.claim(&key, &request).await.unwrap();
+        assert_eq!(
+            store
+                .renew(&key, request.token, Duration::ZERO, ttl)
+                .await
+                .unwrap(),
+            Fenced::Applied
+        );
+        assert_eq!(store.inner.held.len(), 0);
+        let _ = store.delete(&key).await;
     }
 }
