@@ -715,6 +715,14 @@ impl Store for RedisStore {
         "redis"
     }
 
+    /// A renewal is a script on the shared connection: it waits for the server, never
+    /// blocks a thread. The heartbeat runs as many at once as are due (as threads, at
+    /// most 32 at once, renewals of many bodies started together fell behind their
+    /// leases, and other workers took the claims over).
+    fn renewals_block(&self) -> bool {
+        false
+    }
+
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
         // The record lives one TTL past the lease.
         let ttl = px(request.lease.saturating_add(request.ttl));

@@ -19,21 +19,36 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use crate::key_text::Key;
 use crate::record::{Timestamp, Token, FINGERPRINT_AT, TOKEN_AT};
 use crate::sync;
 
-/// How many claims the table keeps at most. A claim is forgotten when it is completed,
-/// released or given up; one its caller never settles (a future leaked without being
-/// dropped) stays until the table is full, which then drops every claim whose lease
-/// has ended. A claim not kept only costs its completion a second round trip.
-const MAX_HELD: usize = 16_384;
+/// How much the table keeps at most, counted as each claim's bytes, its key's and 64
+/// for the entry (16 MiB: some 50,000 claims of a usual size). A claim is forgotten
+/// when it is completed, released or given up; one its caller never settles (a future
+/// leaked without being dropped) stays until the table is full. A claim not kept only
+/// costs its completion a second round trip.
+const MAX_BYTES: usize = 16 << 20;
+
+/// How often, at most, a full table looks for claims whose lease has ended, to drop
+/// them: each look walks the whole table under its lock.
+const PRUNE_EVERY: Duration = Duration::from_secs(1);
 
 /// The claims this process holds, by key.
 #[derive(Default)]
 pub(super) struct Held {
-    claims: Mutex<HashMap<Key, HeldClaim, foldhash::fast::RandomState>>,
+    table: Mutex<Table>,
+}
+
+#[derive(Default)]
+struct Table {
+    claims: HashMap<Key, HeldClaim, foldhash::fast::RandomState>,
+    /// What the claims kept count against [`MAX_BYTES`].
+    bytes: usize,
+    /// When a full table may next look for claims whose lease has ended.
+    next_prune: Timestamp,
 }
 
 struct HeldClaim {
@@ -43,38 +58,64 @@ struct HeldClaim {
     until: Timestamp,
 }
 
+/// What keeping `bytes` under `key` counts against [`MAX_BYTES`].
+fn cost(key: &Key, bytes: &[u8]) -> usize {
+    key.as_str().len() + bytes.len() + 64
+}
+
+impl Table {
+    fn remove(&mut self, key: &Key) -> Option<HeldClaim> {
+        let held = self.claims.remove(key)?;
+        self.bytes -= cost(key, &held.bytes);
+        Some(held)
+    }
+
+    fn insert(&mut self, key: &Key, held: HeldClaim) {
+        self.bytes += cost(key, &held.bytes);
+        self.claims.insert(key.clone(), held);
+    }
+}
+
 impl Held {
-    /// Keeps `bytes`, the claim just written under `key`, whose lease ends at `until`.
+    /// Keeps `bytes`, the claim just written under `key`, whose lease ends at `until`
+    /// (in place of any claim of the key kept before). Not kept if the table is full
+    /// of claims whose lease has not ended.
     pub(super) fn hold(&self, key: &Key, bytes: Vec<u8>, until: Timestamp) {
-        let mut claims = sync::lock(&self.claims);
-        if claims.len() >= MAX_HELD && !claims.contains_key(key) {
+        let mut table = sync::lock(&self.table);
+        table.remove(key);
+        let size = cost(key, &bytes);
+        if table.bytes + size > MAX_BYTES {
             let now = Timestamp::now();
-            claims.retain(|_, claim| claim.until > now);
-            if claims.len() >= MAX_HELD {
+            if now >= table.next_prune {
+                table.next_prune = now.after(PRUNE_EVERY);
+                table.claims.retain(|_, claim| claim.until > now);
+                table.bytes = table.claims.iter().map(|(k, c)| cost(k, &c.bytes)).sum();
+            }
+            if table.bytes + size > MAX_BYTES {
                 return;
             }
         }
-        claims.insert(key.clone(), HeldClaim { bytes, until });
+        table.insert(key, HeldClaim { bytes, until });
     }
 
     /// The claim held under `key` with `token`, no longer kept. A claim of the key
     /// with another token (the one that took this one over) stays.
     pub(super) fn take(&self, key: &Key, token: Token) -> Option<Vec<u8>> {
-        let mut claims = sync::lock(&self.claims);
-        let held = claims.remove(key)?;
+        let mut table = sync::lock(&self.table);
+        let held = table.remove(key)?;
         let token = token.to_bits().to_be_bytes();
         if held.bytes.get(TOKEN_AT..TOKEN_AT + 16) == Some(&token[..]) {
             return Some(held.bytes);
         }
         // Rare: an old owner, after this process took its claim over.
-        claims.insert(key.clone(), held);
+        table.insert(key, held);
         None
     }
 
     /// How many claims are kept.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
-        sync::lock(&self.claims).len()
+        sync::lock(&self.table).claims.len()
     }
 }
 
@@ -123,8 +164,8 @@ mod tests {
         assert_eq!(held.take(&key, Token::from_bits(2)), None);
     }
 
-    /// A full table drops the claims whose lease has ended to make room, and keeps
-    /// no more than [`MAX_HELD`] live ones.
+    /// A full table drops the claims whose lease has ended to make room (at most once
+    /// a second), and never keeps more than [`MAX_BYTES`] of live ones.
     #[test]
     fn a_full_table_drops_ended_leases_and_never_grows_past_its_bound() {
         let held = Held::default();
@@ -132,21 +173,37 @@ mod tests {
             Timestamp(1),
             Timestamp::now().after(Duration::from_secs(60)),
         );
-        for i in 0..MAX_HELD {
-            held.hold(&Key::from_text(format!("ended-{i}")), claim(1), past);
+        let big = |token| {
+            let mut bytes = claim(token);
+            bytes.resize(16 << 10, 0);
+            bytes
+        };
+        let fits = MAX_BYTES / cost(&Key::from_text("ended-0000"), &big(1));
+        for i in 0..fits {
+            held.hold(&Key::from_text(format!("ended-{i:04}")), big(1), past);
         }
-        held.hold(&Key::from_text("live-0"), claim(1), future);
+        assert_eq!(held.len(), fits, "all fit");
+        held.hold(&Key::from_text("live-0000"), big(1), future);
         assert_eq!(held.len(), 1, "the ended leases made room");
-        for i in 1..MAX_HELD + 10 {
-            held.hold(&Key::from_text(format!("live-{i}")), claim(1), future);
+        for i in 1..fits + 10 {
+            held.hold(&Key::from_text(format!("live-{i:04}")), big(1), future);
         }
-        assert_eq!(held.len(), MAX_HELD);
-        let last = Key::from_text(format!("live-{}", MAX_HELD + 5));
+        assert_eq!(held.len(), fits, "no more than the bound");
+        assert!(sync::lock(&held.table).bytes <= MAX_BYTES);
+        let last = Key::from_text(format!("live-{:04}", fits + 5));
         assert_eq!(
             held.take(&last, Token::from_bits(1)),
             None,
             "not kept: no room"
         );
+        // Taking a claim gives its room back, to the byte.
+        let first = Key::from_text("live-0001");
+        assert!(held.take(&first, Token::from_bits(1)).is_some());
+        held.hold(&last, big(1), future);
+        assert_eq!(held.take(&last, Token::from_bits(1)), Some(big(1)));
+        let table = sync::lock(&held.table);
+        let counted: usize = table.claims.iter().map(|(k, c)| cost(k, &c.bytes)).sum();
+        assert_eq!(table.bytes, counted);
     }
 
     #[test]
