@@ -122,6 +122,7 @@ fn main() {
         let prefix = format!("idem-redis-server-{}:", std::process::id());
         let run = redis_run(&url, &prefix, false).await;
         let floor = Arc::new(RedisFloor::connect(&url).await);
+        let cleaner = Arc::clone(&floor);
         let client = redis::Client::open(url.as_str()).unwrap();
         let mut c = client.get_multiplexed_async_connection().await.unwrap();
         let idem_miss: Miss = Arc::new(move |i| {
@@ -168,28 +169,6 @@ fn main() {
             );
         }
         // Every key this run wrote, idem's and the floor's, is under the prefix.
-        let mut cursor = 0u64;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{prefix}*"))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut c)
-                .await
-                .unwrap();
-            if !keys.is_empty() {
-                let _: () = redis::cmd("UNLINK")
-                    .arg(&keys)
-                    .query_async(&mut c)
-                    .await
-                    .unwrap();
-            }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
+        cleaner.clean(&prefix).await;
     });
 }

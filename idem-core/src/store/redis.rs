@@ -1140,6 +1140,24 @@ mod tests {
         assert_eq!(store.inner.held.len(), 0, "a completed claim is not held");
     }
 
+    /// Completes the claim `token` holds under `key` with `result`, which must apply,
+    /// and returns the record then stored.
+    async fn completed(store: &RedisStore, key: &Key, token: Token, result: &[u8]) -> Record {
+        let ttl = Duration::from_secs(60);
+        let done = store
+            .complete(key, token, Outcome::Completed(result), ttl)
+            .await;
+        assert_eq!(done.unwrap(), Fenced::Applied);
+        let record = store.get(key).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            State::Completed {
+                result: result.to_vec()
+            }
+        );
+        record
+    }
+
     /// The held bytes are a shortcut, never the fence: a claim that changed behind this
     /// process's back (a renewal whose answer was lost, here made by another store) is
     /// still completed by its owner, through the script, with that renewal kept; a claim
@@ -1168,17 +1186,7 @@ mod tests {
         );
         let renewed_at = store.get(&key).await.unwrap().unwrap().meta.renewed_at;
         assert!(renewed_at.is_some());
-        let done = store
-            .complete(&key, request.token, Outcome::Completed(b"1"), ttl)
-            .await;
-        assert_eq!(done.unwrap(), Fenced::Applied);
-        let record = store.get(&key).await.unwrap().unwrap();
-        assert_eq!(
-            record.state,
-            State::Completed {
-                result: b"1".to_vec()
-            }
-        );
+        let record = completed(&store, &key, request.token, b"1").await;
         assert_eq!(
             record.meta.renewed_at, renewed_at,
             "the other store's renewal is kept"
@@ -1213,17 +1221,7 @@ mod tests {
             1,
             "the new owner's claim is still held"
         );
-        let done = store
-            .complete(&key, second.token, Outcome::Completed(b"new"), ttl)
-            .await;
-        assert_eq!(done.unwrap(), Fenced::Applied);
-        let record = store.get(&key).await.unwrap().unwrap();
-        assert_eq!(
-            record.state,
-            State::Completed {
-                result: b"new".to_vec()
-            }
-        );
+        let record = completed(&store, &key, second.token, b"new").await;
         assert_eq!((record.meta.attempts, record.meta.takeovers), (2, 1));
 
         // Given up (a zero lease): no longer held, and found abandoned.
