@@ -54,6 +54,7 @@ return 1",
     ))
 }
 
+/// The owner's write where the store does not hold the claim's bytes ([`held`]).
 /// KEYS[1] key; ARGV token, the new record's header (`Record::encode` of the outcome
 /// with an empty payload, or of the renewed claim), payload (empty for a renewal), ttl
 /// ms, split. Writes the header with the claim's fingerprint and, from offset `split`
@@ -715,10 +716,10 @@ impl Store for RedisStore {
         "redis"
     }
 
-    /// A renewal is a script on the shared connection: it waits for the server, never
-    /// blocks a thread. The heartbeat runs as many at once as are due (as threads, at
-    /// most 32 at once, renewals of many bodies started together fell behind their
-    /// leases, and other workers took the claims over).
+    /// A renewal is a script on the shared connection: it waits for the server, and
+    /// never blocks a thread. The heartbeat runs as many at once as are due. (Run on
+    /// threads, 32 at most at once, the renewals of many bodies started together fell
+    /// behind their leases, and other workers took the claims over.)
     fn renewals_block(&self) -> bool {
         false
     }
