@@ -90,6 +90,7 @@ impl PostgresStoreBuilder {
                 table,
                 timeout: self.timeout,
                 prepared: Default::default(),
+                reads_first: Default::default(),
             }),
         })
     }

@@ -11,6 +11,7 @@ pub(super) const PURGE_BATCH: i64 = 10_000;
 pub(super) struct Sql {
     pub(super) table: String,
     pub(super) read: String,
+    pub(super) claim_read: String,
     pub(super) claim_fresh: String,
     pub(super) claim: String,
     pub(super) complete: String,
@@ -43,6 +44,7 @@ impl Sql {
     pub(super) fn place_of(&self, sql: &str) -> Option<usize> {
         [
             &self.read,
+            &self.claim_read,
             &self.claim_fresh,
             &self.claim,
             &self.complete,
@@ -109,6 +111,13 @@ impl Sql {
         );
         Sql {
             read: format!("{read} {from}"),
+            // What the claim decides by and the database time, when the key has a row:
+            // a claim that expects a row reads it first (see `ReadsFirst`).
+            claim_read: format!(
+                "SELECT {columns}, {now} FROM {t} AS r WHERE r.key = $1",
+                columns = claim_columns(),
+                now = ms("now()"),
+            ),
             // What the claim decides by (see `claim_columns`), not the whole row.
             // The row is read first and the claim inserted only when the statement's
             // snapshot sees none: a key with a row (a hit) then costs the server a read,
