@@ -130,14 +130,21 @@ const STORE: &str = "postgres";
 ///   No row back means another caller won in between: the claim starts over and
 ///   reports what it finds.
 ///
-///   While hits come in a streak (the last 16 claims on the store found a row and wrote
-///   nothing, as a run being replayed makes them), a claim first reads the same
-///   columns with a plain `SELECT … WHERE key = $1`, which costs the server less than
-///   the statement above (whose `INSERT` is opened with the table's indexes even when
-///   it inserts nothing), and decides by the same rule. A completed row, a live claim
-///   or another fingerprint is answered by that read alone; no row, or a row to claim,
-///   goes on to the statements above and ends the streak, so a miss pays that read at
-///   most once per streak.
+///   While claims come in a streak of one kind (the last 16 claims on the store each
+///   found a row and wrote nothing, as a run being replayed makes them, or each claimed
+///   a new key, as a run doing new work makes them), a claim sends that kind's statement
+///   first, which costs the server less than the statement above:
+///
+///   - in a streak of hits, a plain `SELECT … WHERE key = $1` of the same columns,
+///     decided by the same rule: a completed row, a live claim or another fingerprint
+///     is answered by it alone (the claim statement's `INSERT` is opened with the
+///     table's indexes even when it inserts nothing);
+///   - in a streak of misses, a plain `INSERT … ON CONFLICT (key) DO NOTHING RETURNING
+///     1`: a new key is claimed by it alone (without the claim statement's read, `NOT
+///     EXISTS` and count around it).
+///
+///   A claim of the other kind goes on to the statements above and ends the streak, so
+///   it pays one more round trip at most once per streak.
 /// - **complete**: `UPDATE .. SET state = 1, payload = $p, expires_at = now() + ttl
 ///   WHERE key = $1 AND state = 0 AND token = $2 AND expires_at > now()`. In this and
 ///   the statements below, what follows `key = $1` is written as one `CASE` that no
@@ -231,8 +238,8 @@ struct Inner {
     timeout: Duration,
     sql: Sql,
     prepared: prepared::Prepared,
-    /// Whether claims read their row first (see [`ops::ReadsFirst`]).
-    reads_first: ops::ReadsFirst,
+    /// Which statement claims send first (see [`ops::Streak`]).
+    streak: ops::Streak,
 }
 
 /// A pooled connection, with the turn at the pool it was taken with (none for the

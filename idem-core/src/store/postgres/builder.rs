@@ -90,7 +90,7 @@ impl PostgresStoreBuilder {
                 table,
                 timeout: self.timeout,
                 prepared: Default::default(),
-                reads_first: Default::default(),
+                streak: Default::default(),
             }),
         })
     }

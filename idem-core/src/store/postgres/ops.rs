@@ -1,7 +1,7 @@
 //! The [`Store`] trait on the table: each operation one statement (a claim may read
 //! again after losing a race).
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -23,55 +23,100 @@ use crate::store::{
 /// race means another caller made progress on the key).
 const CLAIM_ATTEMPTS: usize = 64;
 
-/// Whether a claim reads its key's row before it claims: when the claims just made on
-/// this store found a row and wrote nothing, [`ReadsFirst::AFTER`] of them in a row.
+/// Which statement a claim sends first, guessed from the claims just made on this store.
 ///
-/// The claim statement (see [`PostgresStore`]'s docs) costs a key with a row more than a
-/// read does: its `INSERT` is planned and opened, with the table's indexes, even when
-/// it inserts nothing. A plain `SELECT` of the same columns answers a hit (a completed
-/// row, a live claim, another fingerprint) alone, and costs a miss a third round trip.
-/// So a claim reads first only while hits come in a streak, as a run being replayed
-/// makes them: the first claim that has to write ends the streak, and the next ones
-/// claim at once until a streak is seen again. A workload of hits and misses mixed
-/// pays that round trip at most once per streak of `AFTER` hits.
+/// The claim statement (see [`PostgresStore`]'s docs) serves a key with a row and a key
+/// without one in one round trip, and costs the server more than either needs: on a hit
+/// its `INSERT` is planned and opened, with the table's indexes, though it inserts
+/// nothing; on a miss its read, its `NOT EXISTS` and its count run around the
+/// insertion. A plain `SELECT` of the same columns answers a hit (a completed row, a
+/// live claim, another fingerprint) alone; a plain `INSERT … ON CONFLICT DO NOTHING`
+/// claims a new key alone. Each costs the other case one more round trip.
+///
+/// So while claims come in a streak of one kind, [`Streak::AFTER`] of them in a row,
+/// the next claim sends that kind's statement first: a run being replayed (or a call
+/// waiting for another's claim) makes a streak of hits, a run doing new work a streak
+/// of misses. The first claim of the other kind ends the streak: it pays the round
+/// trip, and the claims after it send the claim statement until a streak is seen
+/// again. A workload of hits and misses mixed pays that round trip at most once per
+/// streak of `AFTER`.
 ///
 /// Only a choice of statements: the read decides by the same rule (`decide_claim`) on
-/// the same columns as the claim statement's own read, and a row to claim is left to
-/// the claim statement.
-pub(super) struct ReadsFirst {
-    /// How many claims in a row found a row and wrote nothing (counted up to `after`).
-    streak: AtomicU32,
-    /// How long a streak must be: [`ReadsFirst::AFTER`] (0 in tests: every claim).
-    after: u32,
+/// the same columns as the claim statement's own read; the insertion claims only a key
+/// without a row, as the claim statement's does; anything else is left to the claim
+/// statement.
+pub(super) struct Streak {
+    /// Claims in a row that found a row and wrote nothing (above 0), or that inserted
+    /// a new claim (below 0), counted up to `AFTER` either way.
+    streak: AtomicI32,
+    /// What every claim sends first, whatever the streak (tests).
+    #[cfg(test)]
+    fixed: Option<First>,
 }
 
-impl Default for ReadsFirst {
+/// The statement a claim sends first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum First {
+    /// The claim statement: reads, and inserts a claim where there is no row.
+    Claim,
+    /// A read: a streak of hits.
+    Read,
+    /// An insertion: a streak of misses.
+    Insert,
+}
+
+impl Default for Streak {
     fn default() -> Self {
-        ReadsFirst {
-            streak: AtomicU32::new(0),
-            after: Self::AFTER,
+        Streak {
+            streak: AtomicI32::new(0),
+            #[cfg(test)]
+            fixed: None,
         }
     }
 }
 
-impl ReadsFirst {
-    /// How many claims in a row must find a row and write nothing.
-    const AFTER: u32 = 16;
+impl Streak {
+    /// How many claims of one kind in a row make a streak.
+    const AFTER: i32 = 16;
 
-    /// Whether the next claim reads first.
-    fn now(&self) -> bool {
-        self.streak.load(Ordering::Relaxed) >= self.after
+    /// The statement the next claim sends first.
+    fn first(&self) -> First {
+        #[cfg(test)]
+        if let Some(first) = self.fixed {
+            return first;
+        }
+        match self.streak.load(Ordering::Relaxed) {
+            n if n >= Self::AFTER => First::Read,
+            n if n <= -Self::AFTER => First::Insert,
+            _ => First::Claim,
+        }
     }
 
     /// A claim found a row and wrote nothing.
     fn found(&self) {
-        if !self.now() {
-            self.streak.fetch_add(1, Ordering::Relaxed);
+        match self.streak.load(Ordering::Relaxed) {
+            n if n < 0 => self.streak.store(1, Ordering::Relaxed),
+            n if n < Self::AFTER => {
+                self.streak.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
         }
     }
 
-    /// A claim wrote, or found no row.
-    fn wrote(&self) {
+    /// A claim inserted a new claim: the key had no row.
+    fn inserted(&self) {
+        match self.streak.load(Ordering::Relaxed) {
+            n if n > 0 => self.streak.store(-1, Ordering::Relaxed),
+            n if n > -Self::AFTER => {
+                self.streak.fetch_sub(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    /// A claim took a row over (expired, abandoned, failed), or its first statement
+    /// guessed wrong: no streak.
+    fn broken(&self) {
         if self.streak.load(Ordering::Relaxed) != 0 {
             self.streak.store(0, Ordering::Relaxed);
         }
@@ -114,26 +159,45 @@ impl Store for PostgresStore {
                 &request.take_over_expired,
                 &request.retry_failed,
             ];
-            let reads_first = &self.inner.reads_first;
-            if reads_first.now() {
-                let (session, key_text) = (&client, &key.as_str());
-                let read = |stmt: Statement| -> Pending<'_, Option<Row>> {
-                    Box::pin(async move { session.query_opt(&stmt, &[key_text]).await })
-                };
-                let row = self
-                    .on(&client, &self.inner.sql.claim_read, read)
-                    .await
-                    .map_err(pg_error)?;
-                if let Some(row) = row {
-                    let (current, now) = decode_claim_read(key, &row)?;
-                    let (claim, write) = decide_claim(current.as_ref(), request, now);
-                    if write.is_none() {
-                        reads_first.found();
-                        return Ok(in_local_clock(claim, now));
+            let streak = &self.inner.streak;
+            match streak.first() {
+                First::Claim => {}
+                First::Read => {
+                    let (session, key_text) = (&client, &key.as_str());
+                    let read = |stmt: Statement| -> Pending<'_, Option<Row>> {
+                        Box::pin(async move { session.query_opt(&stmt, &[key_text]).await })
+                    };
+                    let row = self
+                        .on(&client, &self.inner.sql.claim_read, read)
+                        .await
+                        .map_err(pg_error)?;
+                    if let Some(row) = row {
+                        let (current, now) = decode_claim_read(key, &row)?;
+                        let (claim, write) = decide_claim(current.as_ref(), request, now);
+                        if write.is_none() {
+                            streak.found();
+                            return Ok(in_local_clock(claim, now));
+                        }
                     }
+                    // No row, or one to claim: the claim statement decides.
+                    streak.broken();
                 }
-                // No row, or one to claim: the claim's own statements decide.
-                reads_first.wrote();
+                First::Insert => {
+                    let (session, fresh) = (&client, &params[..9]);
+                    let insert = |stmt: Statement| -> Pending<'_, Option<Row>> {
+                        Box::pin(async move { session.query_opt(&stmt, fresh).await })
+                    };
+                    let inserted = self
+                        .on(&client, &self.inner.sql.claim_insert, insert)
+                        .await
+                        .map_err(pg_error)?;
+                    if inserted.is_some() {
+                        streak.inserted();
+                        return Ok(Claim::Acquired { took_over: false });
+                    }
+                    // The key has a row: the claim statement reads it and decides.
+                    streak.broken();
+                }
             }
             for _ in 0..CLAIM_ATTEMPTS {
                 // Each statement's future in a box of its own (see `client`).
@@ -150,7 +214,7 @@ impl Store for PostgresStore {
                     .map_err(pg_error)?
                     == 1
                 {
-                    reads_first.wrote();
+                    streak.inserted();
                     return Ok(Claim::Acquired { took_over: false });
                 }
                 let (Some(current), now) = decode_claim_read(key, &row)? else {
@@ -160,7 +224,7 @@ impl Store for PostgresStore {
                 };
                 let (claim, write) = decide_claim(Some(&current), request, now);
                 if write.is_none() {
-                    reads_first.found();
+                    streak.found();
                     return Ok(in_local_clock(claim, now));
                 }
                 let (session, all) = (&client, &params);
@@ -172,7 +236,7 @@ impl Store for PostgresStore {
                     .await
                     .map_err(pg_error)?;
                 if claimed.is_some() {
-                    reads_first.wrote();
+                    streak.broken();
                     return Ok(claim);
                 }
             }
@@ -382,12 +446,13 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::record::Origin;
+    use crate::record::{Origin, State};
     use crate::store::Fingerprint;
 
-    /// A store on a table of its own on `IDEM_POSTGRES_URL`, its claims reading first
-    /// after `after` hits; `None` (said loudly) without the variable.
-    async fn store(after: u32) -> Option<PostgresStore> {
+    /// A store on a table of its own on `IDEM_POSTGRES_URL`, whose claims send `fixed`
+    /// first (or as the streak says, if `None`); `None` (said loudly) without the
+    /// variable.
+    async fn store(fixed: Option<First>) -> Option<PostgresStore> {
         let Some(url) = std::env::var("IDEM_POSTGRES_URL")
             .ok()
             .filter(|u| !u.is_empty())
@@ -396,7 +461,7 @@ mod tests {
             return None;
         };
         let table = format!(
-            "idem_reads_first_{}_{:x}",
+            "idem_streak_{}_{:x}",
             std::process::id(),
             Token::generate().ok()?.to_bits() as u32
         );
@@ -406,10 +471,8 @@ mod tests {
             .expect("a Postgres store");
         Arc::get_mut(&mut store.inner)
             .expect("a store not yet shared")
-            .reads_first = ReadsFirst {
-            streak: AtomicU32::new(0),
-            after,
-        };
+            .streak
+            .fixed = fixed;
         store.migrate().await.expect("the table");
         Some(store)
     }
@@ -427,9 +490,22 @@ mod tests {
     #[cfg(feature = "testing")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn claims_that_read_first_conform() {
-        let Some(store) = store(0).await else { return };
+        let Some(store) = store(Some(First::Read)).await else {
+            return;
+        };
         crate::testing::run_all(Arc::new(store.clone())).await;
-        assert!(store.inner.reads_first.now());
+        drop_table(&store).await;
+    }
+
+    /// Every claim of the conformance suite inserts first: what it decides is what the
+    /// claim statement decides.
+    #[cfg(feature = "testing")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn claims_that_insert_first_conform() {
+        let Some(store) = store(Some(First::Insert)).await else {
+            return;
+        };
+        crate::testing::run_all(Arc::new(store.clone())).await;
         drop_table(&store).await;
     }
 
@@ -445,16 +521,21 @@ mod tests {
         }
     }
 
-    /// Claims read first after a streak of `AFTER` that found a row and wrote nothing
-    /// (hits, busy keys, other fingerprints); the first that writes ends it, and it
-    /// claims its key once.
+    fn key(name: &str) -> Key {
+        Key::from_text(format!("tool.{name}"))
+    }
+
+    /// A streak of `AFTER` claims that found a row and wrote nothing (hits, busy keys,
+    /// other fingerprints) makes claims read first; a streak of `AFTER` new keys makes
+    /// them insert first. A claim of the other kind ends either, and is answered as the
+    /// claim statement answers it.
     #[tokio::test]
-    async fn a_streak_of_hits_makes_claims_read_first_and_a_write_ends_it() {
-        let Some(store) = store(ReadsFirst::AFTER).await else {
+    async fn streaks_choose_the_first_statement_and_the_other_kind_ends_them() {
+        let Some(store) = store(None).await else {
             return;
         };
-        let reads_first = &store.inner.reads_first;
-        let done = Key::from_text("tool.done".to_owned());
+        let streak = &store.inner.streak;
+        let (done, busy) = (key("done"), key("busy"));
         let owner = request(1);
         assert_eq!(
             store.claim(&done, &owner).await.unwrap(),
@@ -469,10 +550,9 @@ mod tests {
             )
             .await
             .unwrap();
-        let busy = Key::from_text("tool.busy".to_owned());
         store.claim(&busy, &request(1)).await.unwrap();
-        for i in 0..ReadsFirst::AFTER {
-            assert!(!reads_first.now(), "after {i} hits");
+        for i in 0..Streak::AFTER {
+            assert_eq!(streak.first(), First::Claim, "after {i} hits");
             let claim = match i % 3 {
                 0 => store.claim(&done, &request(1)).await.unwrap(),
                 1 => store.claim(&busy, &request(1)).await.unwrap(),
@@ -483,7 +563,7 @@ mod tests {
                 "{claim:?} wrote nothing"
             );
         }
-        assert!(reads_first.now());
+        assert_eq!(streak.first(), First::Read);
         // Read first: the same answers.
         assert_eq!(
             store.claim(&done, &request(1)).await.unwrap(),
@@ -497,24 +577,70 @@ mod tests {
             store.claim(&done, &request(2)).await.unwrap(),
             Claim::Mismatch
         );
-        assert!(reads_first.now());
-        // A new key: no row, so the claim statement claims it, once.
-        let fresh = Key::from_text("tool.fresh".to_owned());
+        assert_eq!(streak.first(), First::Read);
+        // A new key: no row, so the claim statement claims it, once, and the streak
+        // is over.
+        let first = request(1);
+        assert_eq!(
+            store.claim(&key("fresh-0"), &first).await.unwrap(),
+            Claim::Acquired { took_over: false }
+        );
+        assert_eq!(streak.first(), First::Claim);
+        let stored = store
+            .get(&key("fresh-0"))
+            .await
+            .unwrap()
+            .expect("the claim");
+        assert!(
+            matches!(stored.state, State::InProgress { token, .. } if token == first.token),
+            "{:?}",
+            stored.state
+        );
+        // New keys in a row: a streak of misses.
+        for i in 1..Streak::AFTER {
+            assert_eq!(streak.first(), First::Claim, "after {i} misses");
+            assert_eq!(
+                store
+                    .claim(&key(&format!("fresh-{i}")), &request(1))
+                    .await
+                    .unwrap(),
+                Claim::Acquired { took_over: false }
+            );
+        }
+        assert_eq!(streak.first(), First::Insert);
+        // Inserted first: a new key is claimed once; a key with a row is answered by
+        // the claim statement, and the streak is over.
+        let fresh = key("fresh-last");
         let first = request(1);
         assert_eq!(
             store.claim(&fresh, &first).await.unwrap(),
             Claim::Acquired { took_over: false }
         );
-        assert!(!reads_first.now(), "the write ended the streak");
         assert!(matches!(
             store.claim(&fresh, &request(1)).await.unwrap(),
             Claim::Busy { .. }
         ));
+        assert_eq!(streak.first(), First::Claim);
         let stored = store.get(&fresh).await.unwrap().expect("the claim");
         assert!(
-            matches!(stored.state, crate::record::State::InProgress { token, .. } if token == first.token),
+            matches!(stored.state, State::InProgress { token, .. } if token == first.token),
             "{:?}",
             stored.state
+        );
+        for i in 0..Streak::AFTER {
+            store
+                .claim(&key(&format!("more-{i}")), &request(1))
+                .await
+                .unwrap();
+        }
+        assert_eq!(streak.first(), First::Insert);
+        assert_eq!(
+            store.claim(&done, &request(1)).await.unwrap(),
+            Claim::Completed(b"42".to_vec())
+        );
+        assert_eq!(
+            store.claim(&done, &request(2)).await.unwrap(),
+            Claim::Mismatch
         );
         drop_table(&store).await;
     }

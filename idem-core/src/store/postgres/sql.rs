@@ -12,6 +12,7 @@ pub(super) struct Sql {
     pub(super) table: String,
     pub(super) read: String,
     pub(super) claim_read: String,
+    pub(super) claim_insert: String,
     pub(super) claim_fresh: String,
     pub(super) claim: String,
     pub(super) complete: String,
@@ -45,6 +46,7 @@ impl Sql {
         [
             &self.read,
             &self.claim_read,
+            &self.claim_insert,
             &self.claim_fresh,
             &self.claim,
             &self.complete,
@@ -112,12 +114,15 @@ impl Sql {
         Sql {
             read: format!("{read} {from}"),
             // What the claim decides by and the database time, when the key has a row:
-            // a claim that expects a row reads it first (see `ReadsFirst`).
+            // a claim in a streak of hits reads it first (see `Streak`).
             claim_read: format!(
                 "SELECT {columns}, {now} FROM {t} AS r WHERE r.key = $1",
                 columns = claim_columns(),
                 now = ms("now()"),
             ),
+            // A claim of a key without a row, alone: a claim in a streak of misses
+            // inserts first (see `Streak`).
+            claim_insert: format!("{insert} ON CONFLICT (key) DO NOTHING RETURNING 1"),
             // What the claim decides by (see `claim_columns`), not the whole row.
             // The row is read first and the claim inserted only when the statement's
             // snapshot sees none: a key with a row (a hit) then costs the server a read,
