@@ -463,7 +463,7 @@ mod tests {
         let table = format!(
             "idem_streak_{}_{:x}",
             std::process::id(),
-            Token::generate().ok()?.to_bits() as u32
+            Token::generate().ok()?.to_bits()
         );
         let mut store = PostgresStore::builder(&url)
             .table(&table)
