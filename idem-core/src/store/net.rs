@@ -1,7 +1,9 @@
 //! What the network stores (Postgres, Redis) share: every operation bounded by the
 //! store's timeout, failures described with their whole cause, server times moved to
-//! this process's clock, and a fenced write's count turned into [`Fenced`].
+//! this process's clock, a fenced write's count turned into [`Fenced`], and the guess
+//! of which request a claim sends first ([`Streak`]).
 
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 use crate::error::Fault;
@@ -105,4 +107,102 @@ pub(crate) async fn bounded<T>(
         })
     })
     .await
+}
+
+/// Which request a claim sends first, guessed from the claims just made on this store.
+///
+/// A network store's claim is one request that serves a key with a record and a key
+/// without one alike, and costs the server more than either case needs (each store
+/// says what it pays). A plainer request serves one case alone: a read answers a hit
+/// (a completed record, a live claim, another fingerprint), an insertion claims a new
+/// key. Each costs the other case one more round trip.
+///
+/// So while claims come in a streak of one kind, [`Streak::AFTER`] of them in a row,
+/// the next claim sends that kind's request first: a run being replayed (or a call
+/// waiting for another's claim) makes a streak of hits, a run doing new work a streak
+/// of misses. The first claim of the other kind ends the streak: it pays the round
+/// trip, and the claims after it send the claim's own request until a streak is seen
+/// again. A workload of hits and misses mixed pays that round trip at most once per
+/// streak of `AFTER`.
+///
+/// Only a choice of requests: a read decides by the same rule (`decide_claim`) as the
+/// claim; an insertion claims only a key without a record; anything else is left to
+/// the claim's own request.
+pub(crate) struct Streak {
+    /// Claims in a row that found a record and wrote nothing (above 0), or that claimed
+    /// a new key (below 0), counted up to `AFTER` either way.
+    streak: AtomicI32,
+    /// What every claim sends first, whatever the streak (tests).
+    #[cfg(test)]
+    pub(crate) fixed: Option<First>,
+}
+
+/// The request a claim sends first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum First {
+    /// The claim's own: reads, and claims the key where it has no record.
+    Claim,
+    /// A read: a streak of hits.
+    Read,
+    /// An insertion: a streak of misses.
+    Insert,
+}
+
+impl Default for Streak {
+    fn default() -> Self {
+        Streak {
+            streak: AtomicI32::new(0),
+            #[cfg(test)]
+            fixed: None,
+        }
+    }
+}
+
+impl Streak {
+    /// How many claims of one kind in a row make a streak.
+    pub(crate) const AFTER: i32 = 16;
+
+    /// The request the next claim sends first.
+    pub(crate) fn first(&self) -> First {
+        #[cfg(test)]
+        if let Some(first) = self.fixed {
+            return first;
+        }
+        match self.streak.load(Ordering::Relaxed) {
+            n if n >= Self::AFTER => First::Read,
+            n if n <= -Self::AFTER => First::Insert,
+            _ => First::Claim,
+        }
+    }
+
+    /// A claim found a record and wrote nothing.
+    pub(crate) fn found(&self) {
+        match self.streak.load(Ordering::Relaxed) {
+            n if n < 0 => self.streak.store(1, Ordering::Relaxed),
+            n if n < Self::AFTER => {
+                self.streak.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    /// A claim claimed a new key: it had no record.
+    pub(crate) fn inserted(&self) {
+        match self.streak.load(Ordering::Relaxed) {
+            n if n > 0 => self.streak.store(-1, Ordering::Relaxed),
+            n if n > -Self::AFTER => {
+                self.streak.fetch_sub(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    /// A claim took a record over (expired, abandoned, failed): no streak. (A claim
+    /// whose first request guessed wrong goes on to the claim's own, and what that
+    /// finds moves the streak: a new key ends a streak of hits, a record one of misses.)
+    pub(crate) fn broken(&self) {
+        if self.streak.load(Ordering::Relaxed) != 0 {
+            self.streak.store(0, Ordering::Relaxed);
+        }
+    }
 }

@@ -238,8 +238,8 @@ struct Inner {
     timeout: Duration,
     sql: Sql,
     prepared: prepared::Prepared,
-    /// Which statement claims send first (see [`ops::Streak`]).
-    streak: ops::Streak,
+    /// Which statement claims send first (see [`net::Streak`]).
+    streak: net::Streak,
 }
 
 /// A pooled connection, with the turn at the pool it was taken with (none for the

@@ -15,7 +15,7 @@ use crate::record::{
     millis, Meta, Record, State, Timestamp, Token, CLAIMED_AT, COMPLETED_AT, FINGERPRINT_AT,
     HEADER, IN_PROGRESS_TAG, TOKEN_AT,
 };
-use crate::store::net::{self, in_local_clock};
+use crate::store::net::{self, in_local_clock, First};
 use crate::store::{
     decide_claim, decide_resolution, Claim, ClaimRequest, Cursor, Fenced, Filter, Listed, Outcome,
     Page, Resolution, StateKind, Store, Unreadable, WALK_PAGE,
@@ -224,6 +224,14 @@ fn px(ttl: Duration) -> u64 {
 ///   compared with the server clock. Taking over an abandoned claim or retrying a
 ///   cached error is one more step: a script that replaces the record only if it is
 ///   still, byte for byte, the one read; otherwise the claim starts again.
+///
+///   While hits come in a streak (the last 16 claims on the store each found a record
+///   and wrote nothing, as a run being replayed makes them), a claim sends a plain
+///   `GET` first and decides a completed, failed or other-input record on its bytes
+///   in the same way: the hit then builds and sends no claim, and the server writes
+///   nothing. A claim in progress goes on to the `SET` above, whose read places its
+///   lease in the server's time; no record, or a record to claim, goes on to it too
+///   and ends the streak, so a miss right after a streak pays one more round trip.
 /// - **Complete**, **renew** and **release**: one Lua script each, fenced by the
 ///   owner's token. A renewal rewrites the claim as if stored now (its times count from
 ///   0 again), with the claim's own fingerprint. A completion and a renewal keep parts
@@ -260,6 +268,8 @@ struct Inner {
     timeout: Duration,
     /// The claims this process holds, as written: see [`held`].
     held: Held,
+    /// Whether claims read first (see [`net::Streak`]).
+    streak: net::Streak,
 }
 
 /// Configures a [`RedisStore`]: key prefix and timeout.
@@ -311,6 +321,7 @@ impl RedisStoreBuilder {
                 prefix: self.prefix,
                 timeout: self.timeout,
                 held: Held::default(),
+                streak: net::Streak::default(),
             }),
         })
     }
@@ -502,6 +513,43 @@ impl RedisStore {
             |mut c| async move { command.query_async(&mut c).await },
         )
         .await
+    }
+
+    /// The bytes under `key`, with a plain `GET`.
+    async fn get_bytes(&self, key: &Key) -> Result<Option<Vec<u8>>, Error> {
+        let mut command = redis::cmd("GET");
+        command.arg(self.redis_key(key));
+        self.send(
+            key,
+            |mut c| async move { command.query_async(&mut c).await },
+        )
+        .await
+    }
+
+    /// A claim in a streak of hits (see [`net::Streak`]): the record under `key` with a
+    /// plain `GET`, which writes nothing and sends no claim, decided as the claim's own
+    /// `SET NX GET` decides a record it returns. `None` where the claim must go on: no
+    /// record, a claim in progress (its lease needs the server's clock), or a record
+    /// to claim.
+    async fn read_first(&self, key: &Key, request: &ClaimRequest) -> Result<Option<Claim>, Error> {
+        let Some(mut bytes) = self.get_bytes(key).await? else {
+            return Ok(None);
+        };
+        // Live (Redis returned it), so read at its own time 0.
+        if let Some(result) = Record::replayable_result(&bytes, &request.fingerprint, Timestamp(0))
+        {
+            let header = bytes.len() - result.len();
+            bytes.drain(..header);
+            return Ok(Some(Claim::Completed(bytes)));
+        }
+        let record = decode(key, &bytes)?;
+        if matches!(record.state, State::InProgress { .. }) {
+            return Ok(None);
+        }
+        Ok(match decide_claim(Some(&record), request, Timestamp(0)) {
+            (decision, None) => Some(in_local_clock(decision, Timestamp(0))),
+            (_, Some(_)) => None,
+        })
     }
 
     /// The record under `key` placed in time: one atomic transaction of native
@@ -725,6 +773,17 @@ impl Store for RedisStore {
     }
 
     async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
+        // In a streak of hits, a `GET` first: a hit then builds and sends no claim, and
+        // the server writes nothing (see `net::Streak`). A miss after a streak pays
+        // one more round trip.
+        let streak = &self.inner.streak;
+        if streak.first() == First::Read {
+            if let Some(claim) = self.read_first(key, request).await? {
+                streak.found();
+                return Ok(claim);
+            }
+            // The `SET` decides, and what it finds moves the streak.
+        }
         // The record lives one TTL past the lease.
         let ttl = px(request.lease.saturating_add(request.ttl));
         // Times count from 0, the moment Redis stores the claim, except the
@@ -749,6 +808,7 @@ impl Store for RedisStore {
         for _ in 0..CLAIM_ATTEMPTS {
             let Some(mut bytes) = self.set_if_absent(key, &claim, ttl).await? else {
                 self.inner.held.hold(key, claim, until);
+                streak.inserted();
                 return Ok(Claim::Acquired { took_over: false });
             };
             // A hit: the result is the tail of the bytes Redis returned, handed on
@@ -759,6 +819,7 @@ impl Store for RedisStore {
             {
                 let header = bytes.len() - result.len();
                 bytes.drain(..header);
+                streak.found();
                 return Ok(Claim::Completed(bytes));
             }
             let record = decode(key, &bytes)?;
@@ -778,6 +839,7 @@ impl Store for RedisStore {
             };
             let (decision, write) = decide_claim(Some(&found.record), request, found.now);
             let Some(write) = write else {
+                streak.found();
                 return Ok(in_local_clock(decision, found.now));
             };
             // A takeover or a retry goes on with the record's history; a record that
@@ -798,6 +860,7 @@ impl Store for RedisStore {
                 if matches!(decision, Claim::Acquired { .. }) {
                     self.inner.held.hold(key, next, until);
                 }
+                streak.broken();
                 return Ok(decision);
             }
             tracing::debug!(%key, "record changed between a claim's read and its write; reading again");
@@ -1175,6 +1238,7 @@ mod tests {
                 prefix: store.inner.prefix.clone(),
                 timeout: store.inner.timeout,
                 held: Held::default(),
+                streak: net::Streak::default(),
             }),
         };
         let key = Key::from_text("changed");
@@ -1238,5 +1302,99 @@ mod tests {
         );
         assert_eq!(store.inner.held.len(), 0);
         let _ = store.delete(&key).await;
+    }
+
+    /// A store under a prefix of its own whose claims send `fixed` first (or as the
+    /// streak says, if `None`).
+    async fn streak_store(fixed: Option<First>) -> Option<RedisStore> {
+        let (mut store, _) = store_and_connection().await?;
+        Arc::get_mut(&mut store.inner)
+            .expect("a store not yet shared")
+            .streak
+            .fixed = fixed;
+        Some(store)
+    }
+
+    /// Every claim of the conformance suite reads first: what it decides is what the
+    /// claim's `SET NX GET` decides.
+    #[cfg(feature = "testing")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn claims_that_read_first_conform() {
+        let Some(store) = streak_store(Some(First::Read)).await else {
+            return;
+        };
+        crate::testing::run_all(Arc::new(store)).await;
+    }
+
+    /// A streak of `AFTER` claims that found a record and wrote nothing makes claims
+    /// read first, answered as before; a new key ends it and is claimed once.
+    #[tokio::test]
+    async fn a_streak_of_hits_makes_claims_read_first_and_a_miss_ends_it() {
+        let Some(store) = streak_store(None).await else {
+            return;
+        };
+        let streak = &store.inner.streak;
+        let ttl = Duration::from_secs(60);
+        let request = |n: u8| ClaimRequest {
+            fingerprint: Fingerprint::from_bytes([n; 32]),
+            token: Token::generate().unwrap(),
+            ..claim_request(Duration::from_secs(30))
+        };
+        let (done, busy, fresh) = (
+            Key::from_text("tool.done".to_owned()),
+            Key::from_text("tool.busy".to_owned()),
+            Key::from_text("tool.fresh".to_owned()),
+        );
+        let owner = request(1);
+        store.claim(&done, &owner).await.unwrap();
+        store
+            .complete(&done, owner.token, Outcome::Completed(b"42"), ttl)
+            .await
+            .unwrap();
+        store.claim(&busy, &request(1)).await.unwrap();
+        for i in 0..net::Streak::AFTER {
+            assert_eq!(streak.first(), First::Claim, "after {i} hits");
+            let claim = match i % 3 {
+                0 => store.claim(&done, &request(1)).await.unwrap(),
+                1 => store.claim(&busy, &request(1)).await.unwrap(),
+                _ => store.claim(&done, &request(2)).await.unwrap(),
+            };
+            assert!(!matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+        }
+        assert_eq!(streak.first(), First::Read);
+        assert_eq!(
+            store.claim(&done, &request(1)).await.unwrap(),
+            Claim::Completed(b"42".to_vec())
+        );
+        assert_eq!(
+            store.claim(&done, &request(2)).await.unwrap(),
+            Claim::Mismatch
+        );
+        // A claim in progress needs the server's clock: the `SET` decides, and the
+        // streak goes on.
+        assert!(matches!(
+            store.claim(&busy, &request(1)).await.unwrap(),
+            Claim::Busy { .. }
+        ));
+        assert_eq!(streak.first(), First::Read);
+        let first = request(1);
+        assert_eq!(
+            store.claim(&fresh, &first).await.unwrap(),
+            Claim::Acquired { took_over: false }
+        );
+        assert_eq!(streak.first(), First::Claim, "the miss ended the streak");
+        assert!(matches!(
+            store.claim(&fresh, &request(1)).await.unwrap(),
+            Claim::Busy { .. }
+        ));
+        let stored = store.get(&fresh).await.unwrap().expect("the claim");
+        assert!(
+            matches!(stored.state, State::InProgress { token, .. } if token == first.token),
+            "{:?}",
+            stored.state
+        );
+        for key in [&done, &busy, &fresh] {
+            store.delete(key).await.unwrap();
+        }
     }
 }

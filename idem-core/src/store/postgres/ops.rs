@@ -1,7 +1,6 @@
 //! The [`Store`] trait on the table: each operation one statement (a claim may read
 //! again after losing a race).
 
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -13,7 +12,7 @@ use super::{as_text, millis, pg_error, Pending, PostgresStore};
 use crate::error::Error;
 use crate::key_text::Key;
 use crate::record::{Record, Timestamp, Token};
-use crate::store::net::{fenced, in_local_clock};
+use crate::store::net::{fenced, in_local_clock, First};
 use crate::store::{
     decide_claim, Claim, ClaimRequest, Counts, Cursor, Fenced, Filter, Listed, Outcome, Page,
     Resolution, Store, Unreadable,
@@ -22,106 +21,6 @@ use crate::store::{
 /// How many times a claim reads again after losing a race before giving up (each lost
 /// race means another caller made progress on the key).
 const CLAIM_ATTEMPTS: usize = 64;
-
-/// Which statement a claim sends first, guessed from the claims just made on this store.
-///
-/// The claim statement (see [`PostgresStore`]'s docs) serves a key with a row and a key
-/// without one in one round trip, and costs the server more than either needs: on a hit
-/// its `INSERT` is planned and opened, with the table's indexes, though it inserts
-/// nothing; on a miss its read, its `NOT EXISTS` and its count run around the
-/// insertion. A plain `SELECT` of the same columns answers a hit (a completed row, a
-/// live claim, another fingerprint) alone; a plain `INSERT … ON CONFLICT DO NOTHING`
-/// claims a new key alone. Each costs the other case one more round trip.
-///
-/// So while claims come in a streak of one kind, [`Streak::AFTER`] of them in a row,
-/// the next claim sends that kind's statement first: a run being replayed (or a call
-/// waiting for another's claim) makes a streak of hits, a run doing new work a streak
-/// of misses. The first claim of the other kind ends the streak: it pays the round
-/// trip, and the claims after it send the claim statement until a streak is seen
-/// again. A workload of hits and misses mixed pays that round trip at most once per
-/// streak of `AFTER`.
-///
-/// Only a choice of statements: the read decides by the same rule (`decide_claim`) on
-/// the same columns as the claim statement's own read; the insertion claims only a key
-/// without a row, as the claim statement's does; anything else is left to the claim
-/// statement.
-pub(super) struct Streak {
-    /// Claims in a row that found a row and wrote nothing (above 0), or that inserted
-    /// a new claim (below 0), counted up to `AFTER` either way.
-    streak: AtomicI32,
-    /// What every claim sends first, whatever the streak (tests).
-    #[cfg(test)]
-    fixed: Option<First>,
-}
-
-/// The statement a claim sends first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum First {
-    /// The claim statement: reads, and inserts a claim where there is no row.
-    Claim,
-    /// A read: a streak of hits.
-    Read,
-    /// An insertion: a streak of misses.
-    Insert,
-}
-
-impl Default for Streak {
-    fn default() -> Self {
-        Streak {
-            streak: AtomicI32::new(0),
-            #[cfg(test)]
-            fixed: None,
-        }
-    }
-}
-
-impl Streak {
-    /// How many claims of one kind in a row make a streak.
-    const AFTER: i32 = 16;
-
-    /// The statement the next claim sends first.
-    fn first(&self) -> First {
-        #[cfg(test)]
-        if let Some(first) = self.fixed {
-            return first;
-        }
-        match self.streak.load(Ordering::Relaxed) {
-            n if n >= Self::AFTER => First::Read,
-            n if n <= -Self::AFTER => First::Insert,
-            _ => First::Claim,
-        }
-    }
-
-    /// A claim found a row and wrote nothing.
-    fn found(&self) {
-        match self.streak.load(Ordering::Relaxed) {
-            n if n < 0 => self.streak.store(1, Ordering::Relaxed),
-            n if n < Self::AFTER => {
-                self.streak.fetch_add(1, Ordering::Relaxed);
-            }
-            _ => {}
-        }
-    }
-
-    /// A claim inserted a new claim: the key had no row.
-    fn inserted(&self) {
-        match self.streak.load(Ordering::Relaxed) {
-            n if n > 0 => self.streak.store(-1, Ordering::Relaxed),
-            n if n > -Self::AFTER => {
-                self.streak.fetch_sub(1, Ordering::Relaxed);
-            }
-            _ => {}
-        }
-    }
-
-    /// A claim took a row over (expired, abandoned, failed), or its first statement
-    /// guessed wrong: no streak.
-    fn broken(&self) {
-        if self.streak.load(Ordering::Relaxed) != 0 {
-            self.streak.store(0, Ordering::Relaxed);
-        }
-    }
-}
 
 #[async_trait]
 impl Store for PostgresStore {
@@ -159,6 +58,12 @@ impl Store for PostgresStore {
                 &request.take_over_expired,
                 &request.retry_failed,
             ];
+            // The statement a claim sends first (see `net::Streak`): the claim statement
+            // serves a key with a row and one without in one round trip, and costs the
+            // server more than either needs. On a hit its `INSERT` is planned and opened,
+            // with the table's indexes, though it inserts nothing; on a miss its read,
+            // `NOT EXISTS` and count run around the insertion. A plain `SELECT` answers
+            // a hit alone; a plain `INSERT … DO NOTHING` claims a new key alone.
             let streak = &self.inner.streak;
             match streak.first() {
                 First::Claim => {}
@@ -179,8 +84,8 @@ impl Store for PostgresStore {
                             return Ok(in_local_clock(claim, now));
                         }
                     }
-                    // No row, or one to claim: the claim statement decides.
-                    streak.broken();
+                    // No row, or one to claim: the claim statement decides, and what
+                    // it finds moves the streak.
                 }
                 First::Insert => {
                     let (session, fresh) = (&client, &params[..9]);
@@ -195,8 +100,8 @@ impl Store for PostgresStore {
                         streak.inserted();
                         return Ok(Claim::Acquired { took_over: false });
                     }
-                    // The key has a row: the claim statement reads it and decides.
-                    streak.broken();
+                    // The key has a row: the claim statement reads it and decides,
+                    // and what it finds moves the streak.
                 }
             }
             for _ in 0..CLAIM_ATTEMPTS {
@@ -447,6 +352,7 @@ mod tests {
 
     use super::*;
     use crate::record::{Origin, State};
+    use crate::store::net::Streak;
     use crate::store::Fingerprint;
 
     /// A store on a table of its own on `IDEM_POSTGRES_URL`, whose claims send `fixed`

@@ -114,14 +114,14 @@ impl Sql {
         Sql {
             read: format!("{read} {from}"),
             // What the claim decides by and the database time, when the key has a row:
-            // a claim in a streak of hits reads it first (see `Streak`).
+            // a claim in a streak of hits reads it first (see `net::Streak`).
             claim_read: format!(
                 "SELECT {columns}, {now} FROM {t} AS r WHERE r.key = $1",
                 columns = claim_columns(),
                 now = ms("now()"),
             ),
             // A claim of a key without a row, alone: a claim in a streak of misses
-            // inserts first (see `Streak`).
+            // inserts first (see `net::Streak`).
             claim_insert: format!("{insert} ON CONFLICT (key) DO NOTHING RETURNING 1"),
             // What the claim decides by (see `claim_columns`), not the whole row.
             // The row is read first and the claim inserted only when the statement's
