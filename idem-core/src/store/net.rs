@@ -206,3 +206,21 @@ impl Streak {
         }
     }
 }
+
+/// The URL of a test's server in the environment variable `var`, or `None`, said
+/// loudly: without it the test checks nothing.
+#[cfg(test)]
+pub(crate) fn test_server(var: &str) -> Option<String> {
+    let url = std::env::var(var).ok().filter(|u| !u.is_empty());
+    if url.is_none() {
+        eprintln!("SKIPPED: {var} is not set; this test checked nothing");
+    }
+    url
+}
+
+/// `prefix` followed by this process's id and a fresh token: a name of a test's own.
+#[cfg(test)]
+pub(crate) fn unique_name(prefix: &str) -> String {
+    let token = crate::record::Token::generate().map_or(0, |t| t.to_bits());
+    format!("{prefix}{}_{token:x}", std::process::id())
+}

@@ -1057,18 +1057,8 @@ mod tests {
     /// A store under a prefix of its own on `IDEM_REDIS_URL`, and a plain connection
     /// to read its keys behind its back; `None` (said loudly) without the variable.
     async fn store_and_connection() -> Option<(RedisStore, redis::aio::MultiplexedConnection)> {
-        let Some(url) = std::env::var("IDEM_REDIS_URL")
-            .ok()
-            .filter(|u| !u.is_empty())
-        else {
-            eprintln!("SKIPPED: IDEM_REDIS_URL is not set; this Redis test checked nothing");
-            return None;
-        };
-        let prefix = format!(
-            "idem-held-{}-{:x}:",
-            std::process::id(),
-            Token::generate().ok()?.to_bits()
-        );
+        let url = net::test_server("IDEM_REDIS_URL")?;
+        let prefix = format!("{}:", net::unique_name("idem-held-"));
         let store = RedisStore::builder(&url)
             .prefix(prefix)
             .connect()

@@ -359,20 +359,9 @@ mod tests {
     /// first (or as the streak says, if `None`); `None` (said loudly) without the
     /// variable.
     async fn store(fixed: Option<First>) -> Option<PostgresStore> {
-        let Some(url) = std::env::var("IDEM_POSTGRES_URL")
-            .ok()
-            .filter(|u| !u.is_empty())
-        else {
-            eprintln!("SKIPPED: IDEM_POSTGRES_URL is not set; this Postgres test checked nothing");
-            return None;
-        };
-        let table = format!(
-            "idem_streak_{}_{:x}",
-            std::process::id(),
-            Token::generate().ok()?.to_bits()
-        );
+        let url = crate::store::net::test_server("IDEM_POSTGRES_URL")?;
         let mut store = PostgresStore::builder(&url)
-            .table(&table)
+            .table(crate::store::net::unique_name("idem_streak_"))
             .build()
             .expect("a Postgres store");
         Arc::get_mut(&mut store.inner)
