@@ -224,3 +224,83 @@ pub(crate) fn unique_name(prefix: &str) -> String {
     let token = crate::record::Token::generate().map_or(0, |t| t.to_bits());
     format!("{prefix}{}_{token:x}", std::process::id())
 }
+
+/// A claim request of `fingerprint` for the streak tests, with a fresh token.
+#[cfg(test)]
+pub(crate) fn streak_request(fingerprint: u8) -> crate::store::ClaimRequest {
+    crate::store::ClaimRequest {
+        origin: crate::record::Origin::new("run", "tool"),
+        fingerprint: crate::key::Fingerprint::from_bytes([fingerprint; 32]),
+        token: crate::record::Token::generate().expect("a token"),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(3600),
+        take_over_expired: true,
+        retry_failed: true,
+    }
+}
+
+/// What a network store's streak of hits must do (its in-crate test): `Streak::AFTER`
+/// claims that found a record and wrote nothing (a hit, a busy key, another
+/// fingerprint) make claims read first, answered as before; a new key (`key("fresh")`)
+/// then ends the streak, and is claimed once, by its caller's token.
+#[cfg(test)]
+pub(crate) async fn a_streak_of_hits_reads_first(
+    store: &dyn crate::store::Store,
+    streak: &Streak,
+    key: impl Fn(&str) -> crate::key_text::Key,
+) {
+    use crate::record::State;
+    use crate::store::Outcome;
+    let request = streak_request;
+    let (done, busy, fresh) = (key("done"), key("busy"), key("fresh"));
+    let owner = request(1);
+    assert_eq!(
+        store.claim(&done, &owner).await.unwrap(),
+        Claim::Acquired { took_over: false }
+    );
+    let ttl = Duration::from_secs(3600);
+    let completed = store.complete(&done, owner.token, Outcome::Completed(b"42"), ttl);
+    assert_eq!(completed.await.unwrap(), Fenced::Applied);
+    store.claim(&busy, &request(1)).await.unwrap();
+    for i in 0..Streak::AFTER {
+        assert_eq!(streak.first(), First::Claim, "after {i} hits");
+        let claim = match i % 3 {
+            0 => store.claim(&done, &request(1)).await.unwrap(),
+            1 => store.claim(&busy, &request(1)).await.unwrap(),
+            _ => store.claim(&done, &request(2)).await.unwrap(),
+        };
+        assert!(!matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+    }
+    assert_eq!(streak.first(), First::Read);
+    // Read first: the same answers, and the streak goes on.
+    assert_eq!(
+        store.claim(&done, &request(1)).await.unwrap(),
+        Claim::Completed(b"42".to_vec())
+    );
+    assert!(matches!(
+        store.claim(&busy, &request(1)).await.unwrap(),
+        Claim::Busy { .. }
+    ));
+    assert_eq!(
+        store.claim(&done, &request(2)).await.unwrap(),
+        Claim::Mismatch
+    );
+    assert_eq!(streak.first(), First::Read);
+    // A new key: the claim's own request claims it, once, and the streak is over.
+    let first = request(1);
+    assert_eq!(
+        store.claim(&fresh, &first).await.unwrap(),
+        Claim::Acquired { took_over: false }
+    );
+    assert_eq!(streak.first(), First::Claim);
+    assert!(matches!(
+        store.claim(&fresh, &request(1)).await.unwrap(),
+        Claim::Busy { .. }
+    ));
+    let stored = store.get(&fresh).await.unwrap().expect("the claim");
+    assert!(
+        matches!(stored.state, State::InProgress { token, .. } if token == first.token),
+        "{:?}",
+        stored.state
+    );
+}

@@ -1316,75 +1316,17 @@ mod tests {
         crate::testing::run_all(Arc::new(store)).await;
     }
 
-    /// A streak of `AFTER` claims that found a record and wrote nothing makes claims
-    /// read first, answered as before; a new key ends it and is claimed once.
+    /// A streak of hits makes claims read first, answered as before; a new key ends it
+    /// and is claimed once (see `net::a_streak_of_hits_reads_first`).
     #[tokio::test]
     async fn a_streak_of_hits_makes_claims_read_first_and_a_miss_ends_it() {
         let Some(store) = streak_store(None).await else {
             return;
         };
-        let streak = &store.inner.streak;
-        let ttl = Duration::from_secs(60);
-        let request = |n: u8| ClaimRequest {
-            fingerprint: Fingerprint::from_bytes([n; 32]),
-            token: Token::generate().unwrap(),
-            ..claim_request(Duration::from_secs(30))
-        };
-        let (done, busy, fresh) = (
-            Key::from_text("tool.done".to_owned()),
-            Key::from_text("tool.busy".to_owned()),
-            Key::from_text("tool.fresh".to_owned()),
-        );
-        let owner = request(1);
-        store.claim(&done, &owner).await.unwrap();
-        store
-            .complete(&done, owner.token, Outcome::Completed(b"42"), ttl)
-            .await
-            .unwrap();
-        store.claim(&busy, &request(1)).await.unwrap();
-        for i in 0..net::Streak::AFTER {
-            assert_eq!(streak.first(), First::Claim, "after {i} hits");
-            let claim = match i % 3 {
-                0 => store.claim(&done, &request(1)).await.unwrap(),
-                1 => store.claim(&busy, &request(1)).await.unwrap(),
-                _ => store.claim(&done, &request(2)).await.unwrap(),
-            };
-            assert!(!matches!(claim, Claim::Acquired { .. }), "{claim:?}");
-        }
-        assert_eq!(streak.first(), First::Read);
-        assert_eq!(
-            store.claim(&done, &request(1)).await.unwrap(),
-            Claim::Completed(b"42".to_vec())
-        );
-        assert_eq!(
-            store.claim(&done, &request(2)).await.unwrap(),
-            Claim::Mismatch
-        );
-        // A claim in progress needs the server's clock: the `SET` decides, and the
-        // streak goes on.
-        assert!(matches!(
-            store.claim(&busy, &request(1)).await.unwrap(),
-            Claim::Busy { .. }
-        ));
-        assert_eq!(streak.first(), First::Read);
-        let first = request(1);
-        assert_eq!(
-            store.claim(&fresh, &first).await.unwrap(),
-            Claim::Acquired { took_over: false }
-        );
-        assert_eq!(streak.first(), First::Claim, "the miss ended the streak");
-        assert!(matches!(
-            store.claim(&fresh, &request(1)).await.unwrap(),
-            Claim::Busy { .. }
-        ));
-        let stored = store.get(&fresh).await.unwrap().expect("the claim");
-        assert!(
-            matches!(stored.state, State::InProgress { token, .. } if token == first.token),
-            "{:?}",
-            stored.state
-        );
-        for key in [&done, &busy, &fresh] {
-            store.delete(key).await.unwrap();
+        let key = |name: &str| Key::from_text(format!("tool.{name}"));
+        net::a_streak_of_hits_reads_first(&store, &store.inner.streak, key).await;
+        for name in ["done", "busy", "fresh"] {
+            store.delete(&key(name)).await.unwrap();
         }
     }
 }

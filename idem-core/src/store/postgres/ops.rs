@@ -351,9 +351,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::record::{Origin, State};
-    use crate::store::net::Streak;
-    use crate::store::Fingerprint;
+    use crate::record::State;
+    use crate::store::net::{self, streak_request as request, Streak};
 
     /// A store on a table of its own on `IDEM_POSTGRES_URL`, whose claims send `fixed`
     /// first (or as the streak says, if `None`); `None` (said loudly) without the
@@ -404,103 +403,26 @@ mod tests {
         drop_table(&store).await;
     }
 
-    fn request(fingerprint: u8) -> ClaimRequest {
-        ClaimRequest {
-            origin: Origin::new("run", "tool"),
-            fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
-            token: Token::generate().expect("a token"),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-            take_over_expired: true,
-            retry_failed: true,
-        }
-    }
-
     fn key(name: &str) -> Key {
         Key::from_text(format!("tool.{name}"))
     }
 
-    /// A streak of `AFTER` claims that found a row and wrote nothing (hits, busy keys,
-    /// other fingerprints) makes claims read first; a streak of `AFTER` new keys makes
-    /// them insert first. A claim of the other kind ends either, and is answered as the
-    /// claim statement answers it.
+    /// A streak of hits makes claims read first (see `net::a_streak_of_hits_reads_first`);
+    /// a streak of `AFTER` new keys makes them insert first. A claim of the other kind
+    /// ends either, and is answered as the claim statement answers it.
     #[tokio::test]
     async fn streaks_choose_the_first_statement_and_the_other_kind_ends_them() {
         let Some(store) = store(None).await else {
             return;
         };
         let streak = &store.inner.streak;
-        let (done, busy) = (key("done"), key("busy"));
-        let owner = request(1);
-        assert_eq!(
-            store.claim(&done, &owner).await.unwrap(),
-            Claim::Acquired { took_over: false }
-        );
-        store
-            .complete(
-                &done,
-                owner.token,
-                Outcome::Completed(b"42"),
-                Duration::from_secs(3600),
-            )
-            .await
-            .unwrap();
-        store.claim(&busy, &request(1)).await.unwrap();
-        for i in 0..Streak::AFTER {
-            assert_eq!(streak.first(), First::Claim, "after {i} hits");
-            let claim = match i % 3 {
-                0 => store.claim(&done, &request(1)).await.unwrap(),
-                1 => store.claim(&busy, &request(1)).await.unwrap(),
-                _ => store.claim(&done, &request(2)).await.unwrap(),
-            };
-            assert!(
-                !matches!(claim, Claim::Acquired { .. }),
-                "{claim:?} wrote nothing"
-            );
-        }
-        assert_eq!(streak.first(), First::Read);
-        // Read first: the same answers.
-        assert_eq!(
-            store.claim(&done, &request(1)).await.unwrap(),
-            Claim::Completed(b"42".to_vec())
-        );
-        assert!(matches!(
-            store.claim(&busy, &request(1)).await.unwrap(),
-            Claim::Busy { .. }
-        ));
-        assert_eq!(
-            store.claim(&done, &request(2)).await.unwrap(),
-            Claim::Mismatch
-        );
-        assert_eq!(streak.first(), First::Read);
-        // A new key: no row, so the claim statement claims it, once, and the streak
-        // is over.
-        let first = request(1);
-        assert_eq!(
-            store.claim(&key("fresh-0"), &first).await.unwrap(),
-            Claim::Acquired { took_over: false }
-        );
-        assert_eq!(streak.first(), First::Claim);
-        let stored = store
-            .get(&key("fresh-0"))
-            .await
-            .unwrap()
-            .expect("the claim");
-        assert!(
-            matches!(stored.state, State::InProgress { token, .. } if token == first.token),
-            "{:?}",
-            stored.state
-        );
+        net::a_streak_of_hits_reads_first(&store, streak, key).await;
         // New keys in a row: a streak of misses.
-        for i in 1..Streak::AFTER {
+        for i in 0..Streak::AFTER {
             assert_eq!(streak.first(), First::Claim, "after {i} misses");
-            assert_eq!(
-                store
-                    .claim(&key(&format!("fresh-{i}")), &request(1))
-                    .await
-                    .unwrap(),
-                Claim::Acquired { took_over: false }
-            );
+            let (new, request) = (key(&format!("fresh-{i}")), request(1));
+            let claim = store.claim(&new, &request).await.unwrap();
+            assert_eq!(claim, Claim::Acquired { took_over: false });
         }
         assert_eq!(streak.first(), First::Insert);
         // Inserted first: a new key is claimed once; a key with a row is answered by
@@ -523,12 +445,12 @@ mod tests {
             stored.state
         );
         for i in 0..Streak::AFTER {
-            store
-                .claim(&key(&format!("more-{i}")), &request(1))
-                .await
-                .unwrap();
+            let (new, request) = (key(&format!("more-{i}")), request(1));
+            let claim = store.claim(&new, &request).await.unwrap();
+            assert_eq!(claim, Claim::Acquired { took_over: false });
         }
         assert_eq!(streak.first(), First::Insert);
+        let done = key("done");
         assert_eq!(
             store.claim(&done, &request(1)).await.unwrap(),
             Claim::Completed(b"42".to_vec())
