@@ -229,9 +229,10 @@ fn px(ttl: Duration) -> u64 {
 ///   and wrote nothing, as a run being replayed makes them), a claim sends a plain
 ///   `GET` first and decides a completed, failed or other-input record on its bytes
 ///   in the same way: the hit then builds and sends no claim, and the server writes
-///   nothing. A claim in progress goes on to the `SET` above, whose read places its
-///   lease in the server's time; no record, or a record to claim, goes on to it too
-///   and ends the streak, so a miss right after a streak pays one more round trip.
+///   nothing; a claim in progress is read again in time, as above, so a call polling
+///   a running key pays two round trips either way. No record, or a record to claim,
+///   goes on to the `SET` above and ends the streak, so a miss right after a streak
+///   pays one more round trip.
 /// - **Complete**, **renew** and **release**: one Lua script each, fenced by the
 ///   owner's token. A renewal rewrites the claim as if stored now (its times count from
 ///   0 again), with the claim's own fingerprint. A completion and a renewal keep parts
@@ -528,9 +529,10 @@ impl RedisStore {
 
     /// A claim in a streak of hits (see [`net::Streak`]): the record under `key` with a
     /// plain `GET`, which writes nothing and sends no claim, decided as the claim's own
-    /// `SET NX GET` decides a record it returns. `None` where the claim must go on: no
-    /// record, a claim in progress (its lease needs the server's clock), or a record
-    /// to claim.
+    /// `SET NX GET` decides a record it returns: a claim in progress is read again in
+    /// time, as there, since its lease needs the server's clock (so a call polling a
+    /// running key pays two round trips either way). `None` where the claim must go on:
+    /// no record, or a record to claim.
     async fn read_first(&self, key: &Key, request: &ClaimRequest) -> Result<Option<Claim>, Error> {
         let Some(mut bytes) = self.get_bytes(key).await? else {
             return Ok(None);
@@ -543,11 +545,15 @@ impl RedisStore {
             return Ok(Some(Claim::Completed(bytes)));
         }
         let record = decode(key, &bytes)?;
-        if matches!(record.state, State::InProgress { .. }) {
-            return Ok(None);
-        }
-        Ok(match decide_claim(Some(&record), request, Timestamp(0)) {
-            (decision, None) => Some(in_local_clock(decision, Timestamp(0))),
+        let (record, now) = match record.state {
+            State::InProgress { .. } => match self.read(key).await? {
+                Some(found) => (found.record, found.now),
+                None => return Ok(None),
+            },
+            _ => (record, Timestamp(0)),
+        };
+        Ok(match decide_claim(Some(&record), request, now) {
+            (decision, None) => Some(in_local_clock(decision, now)),
             (_, Some(_)) => None,
         })
     }
