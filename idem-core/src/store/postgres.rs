@@ -479,7 +479,16 @@ impl PostgresStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Option<Row>, Error> {
         let client = self.client().await?;
-        let client = &client;
+        self.row_on(&client, sql, params).await
+    }
+
+    /// [`PostgresStore::row`] on a connection the caller holds (a claim's).
+    async fn row_on(
+        &self,
+        client: &deadpool_postgres::Object,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Option<Row>, Error> {
         let query = |stmt: Statement| -> Pending<'_, Option<Row>> {
             Box::pin(async move { client.query_opt(&stmt, params).await })
         };

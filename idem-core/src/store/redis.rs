@@ -534,16 +534,13 @@ impl RedisStore {
     /// running key pays two round trips either way). `None` where the claim must go on:
     /// no record, or a record to claim.
     async fn read_first(&self, key: &Key, request: &ClaimRequest) -> Result<Option<Claim>, Error> {
-        let Some(mut bytes) = self.get_bytes(key).await? else {
+        let Some(bytes) = self.get_bytes(key).await? else {
             return Ok(None);
         };
-        // Live (Redis returned it), so read at its own time 0.
-        if let Some(result) = Record::replayable_result(&bytes, &request.fingerprint, Timestamp(0))
-        {
-            let header = bytes.len() - result.len();
-            bytes.drain(..header);
-            return Ok(Some(Claim::Completed(bytes)));
-        }
+        let bytes = match replayed(bytes, &request.fingerprint) {
+            Ok(result) => return Ok(Some(Claim::Completed(result))),
+            Err(bytes) => bytes,
+        };
         let record = decode(key, &bytes)?;
         let (record, now) = match record.state {
             State::InProgress { .. } => match self.read(key).await? {
@@ -726,6 +723,19 @@ impl RedisStore {
     }
 }
 
+/// The result of a completed record Redis returned, for a claim of `fingerprint`: the
+/// tail of its bytes, handed on without a copy; or the bytes back if it replays
+/// nothing. The record is live (Redis returned it), so it is read at its own time 0.
+fn replayed(mut bytes: Vec<u8>, fingerprint: &Fingerprint) -> Result<Vec<u8>, Vec<u8>> {
+    match Record::replayable_result(&bytes, fingerprint, Timestamp(0)).map(<[u8]>::len) {
+        Some(len) => {
+            bytes.drain(..bytes.len() - len);
+            Ok(bytes)
+        }
+        None => Err(bytes),
+    }
+}
+
 /// A Redis error of a command on `key`: a key of another Redis type (not an idem
 /// record) is [`Error::CorruptRecord`], anything else [`Error::Store`].
 fn command_error(key: &Key, e: redis::RedisError) -> Error {
@@ -812,22 +822,18 @@ impl Store for RedisStore {
         let claim = fresh.encode();
         let until = fresh.meta.claimed_at.after(request.lease);
         for _ in 0..CLAIM_ATTEMPTS {
-            let Some(mut bytes) = self.set_if_absent(key, &claim, ttl).await? else {
+            let Some(bytes) = self.set_if_absent(key, &claim, ttl).await? else {
                 self.inner.held.hold(key, claim, until);
                 streak.inserted();
                 return Ok(Claim::Acquired { took_over: false });
             };
-            // A hit: the result is the tail of the bytes Redis returned, handed on
-            // without a copy. The record is live (Redis returned it), so it is read at
-            // its own time 0.
-            if let Some(result) =
-                Record::replayable_result(&bytes, &request.fingerprint, Timestamp(0))
-            {
-                let header = bytes.len() - result.len();
-                bytes.drain(..header);
-                streak.found();
-                return Ok(Claim::Completed(bytes));
-            }
+            let bytes = match replayed(bytes, &request.fingerprint) {
+                Ok(result) => {
+                    streak.found();
+                    return Ok(Claim::Completed(result));
+                }
+                Err(bytes) => bytes,
+            };
             let record = decode(key, &bytes)?;
             let found = if matches!(record.state, State::InProgress { .. }) {
                 // Only a lease needs the clock: read the record again, in time.

@@ -68,15 +68,8 @@ impl Store for PostgresStore {
             match streak.first() {
                 First::Claim => {}
                 First::Read => {
-                    let (session, key_text) = (&client, &key.as_str());
-                    let read = |stmt: Statement| -> Pending<'_, Option<Row>> {
-                        Box::pin(async move { session.query_opt(&stmt, &[key_text]).await })
-                    };
-                    let row = self
-                        .on(&client, &self.inner.sql.claim_read, read)
-                        .await
-                        .map_err(pg_error)?;
-                    if let Some(row) = row {
+                    let read = &self.inner.sql.claim_read;
+                    if let Some(row) = self.row_on(&client, read, &[&key.as_str()]).await? {
                         let (current, now) = decode_claim_read(key, &row)?;
                         let (claim, write) = decide_claim(current.as_ref(), request, now);
                         if write.is_none() {
@@ -88,15 +81,8 @@ impl Store for PostgresStore {
                     // it finds moves the streak.
                 }
                 First::Insert => {
-                    let (session, fresh) = (&client, &params[..9]);
-                    let insert = |stmt: Statement| -> Pending<'_, Option<Row>> {
-                        Box::pin(async move { session.query_opt(&stmt, fresh).await })
-                    };
-                    let inserted = self
-                        .on(&client, &self.inner.sql.claim_insert, insert)
-                        .await
-                        .map_err(pg_error)?;
-                    if inserted.is_some() {
+                    let insert = &self.inner.sql.claim_insert;
+                    if self.row_on(&client, insert, &params[..9]).await?.is_some() {
                         streak.inserted();
                         return Ok(Claim::Acquired { took_over: false });
                     }
@@ -132,15 +118,11 @@ impl Store for PostgresStore {
                     streak.found();
                     return Ok(in_local_clock(claim, now));
                 }
-                let (session, all) = (&client, &params);
-                let upsert = |stmt: Statement| -> Pending<'_, Option<Row>> {
-                    Box::pin(async move { session.query_opt(&stmt, all).await })
-                };
-                let claimed = self
-                    .on(&client, &self.inner.sql.claim, upsert)
-                    .await
-                    .map_err(pg_error)?;
-                if claimed.is_some() {
+                if self
+                    .row_on(&client, &self.inner.sql.claim, &params)
+                    .await?
+                    .is_some()
+                {
                     streak.broken();
                     return Ok(claim);
                 }
