@@ -2,7 +2,9 @@
 # What idem's Postgres statements cost the server: the backend's CPU per transaction
 # (read from /proc, so the server must run on this machine), for a hit and a miss of
 # the claim statement, and of the same claim as a PL/pgSQL function (tried, not kept:
-# docs/performance.md), next to a plain SELECT of the same row; and a miss (claim,
+# docs/performance.md), next to a plain SELECT of the same row (and the same SELECT with
+# its times converted to milliseconds by the server, as the statements did before they
+# sent times as stored); and a miss (claim,
 # then completion) on idem's table with its indexes (the listings' of settled rows),
 # with listing indexes of every row (as before) and without any, next to the
 # throughput floor's.
@@ -23,8 +25,10 @@ shift || true
 work=$(mktemp -d)
 trap 'psql -q "$url" -c "DROP SCHEMA IF EXISTS idem_server_bench CASCADE" >/dev/null 2>&1; rm -rf "$work"' EXIT
 
+# (The server's conversion, which the statements no longer make.)
 ms() { echo "(CASE WHEN $1 IS NULL THEN NULL ELSE least(greatest(extract(epoch from $1) * 1000, 0), 9000000000000000)::int8 END)"; }
-columns="r.fingerprint, r.state, r.token, $(ms r.lease_until), r.payload, $(ms r.expires_at)"
+columns="r.fingerprint, r.state, r.token, r.lease_until, r.payload, r.expires_at"
+converted="r.fingerprint, r.state, r.token, $(ms r.lease_until), r.payload, $(ms r.expires_at)"
 insert_columns="key, fingerprint, state, token, lease_until, payload, created_at, expires_at, run_id, tenant, call_id, tool, claimed_at, attempts, takeovers"
 values="now() + \$4::int8 * interval '1 millisecond', NULL, now(), now() + \$5::int8 * interval '1 millisecond'"
 
@@ -56,8 +60,8 @@ table() { # name, listing indexes: settled (idem's), every (of every row, as bef
     table unlisted none
     echo "CREATE TABLE idem_server_bench.floor (k text PRIMARY KEY, v bytea);"
     echo "CREATE FUNCTION idem_server_bench.claim(text, bytea, bytea, int8, int8, text, text, text, text,
-        OUT o_fingerprint bytea, OUT o_state smallint, OUT o_token bytea, OUT o_lease int8,
-        OUT o_payload bytea, OUT o_expires int8, OUT o_now int8, OUT o_inserted int8)
+        OUT o_fingerprint bytea, OUT o_state smallint, OUT o_token bytea, OUT o_lease timestamptz,
+        OUT o_payload bytea, OUT o_expires timestamptz, OUT o_now timestamptz, OUT o_inserted int8)
     LANGUAGE plpgsql AS \$idem\$ BEGIN
         SELECT $columns INTO o_fingerprint, o_state, o_token, o_lease, o_payload, o_expires
             FROM idem_server_bench.records AS r WHERE r.key = \$1;
@@ -67,7 +71,7 @@ table() { # name, listing indexes: settled (idem's), every (of every row, as bef
             VALUES (\$1, \$2, 0, \$3, $values, \$6, \$7, \$8, \$9, now(), 1, 0) ON CONFLICT (key) DO NOTHING;
             IF FOUND THEN o_inserted := 1; END IF;
         END IF;
-        o_now := $(ms "now()");
+        o_now := now();
     END \$idem\$;"
 } | psql -q -v ON_ERROR_STOP=1 "$url" >/dev/null
 
@@ -81,7 +85,7 @@ cte() { # key expression
             SELECT ($1)::text, '\\x00'::bytea, 0, '\\x01'::bytea, now() + interval '30 s', NULL, now(),
                 now() + interval '1 day', 'run-1'::text, NULL::text, NULL::text, 'send_email'::text, now(), 1, 0
             WHERE NOT EXISTS (SELECT 1 FROM found) ON CONFLICT (key) DO NOTHING RETURNING 1)
-        SELECT found.*, $(ms "now()"), (SELECT count(*) FROM fresh) FROM (SELECT 1) AS one LEFT JOIN found ON true;"
+        SELECT found.*, now(), (SELECT count(*) FROM fresh) FROM (SELECT 1) AS one LEFT JOIN found ON true;"
 }
 completed_miss() { # table
     local t=idem_server_bench.$1 key="'miss.' || :k"
@@ -92,7 +96,8 @@ completed_miss() { # table
         lease_until = NULL, created_at = now(), completed_at = now(), expires_at = now() + interval '1 day'
         WHERE key = $key AND CASE WHEN state = 0 AND expires_at > now() THEN true ELSE false END;"
 }
-printf '%s\nSELECT %s, %s FROM idem_server_bench.records AS r WHERE r.key = %s;\n' "$hit" "$columns" "$(ms "now()")" "'hit.' || :k" >"$work/select.sql"
+printf '%s\nSELECT %s, now() FROM idem_server_bench.records AS r WHERE r.key = %s;\n' "$hit" "$columns" "'hit.' || :k" >"$work/select.sql"
+printf '%s\nSELECT %s, %s FROM idem_server_bench.records AS r WHERE r.key = %s;\n' "$hit" "$converted" "$(ms "now()")" "'hit.' || :k" >"$work/select_converted.sql"
 printf '%s\n%s\n' "$hit" "$(cte "'hit.' || :k")" >"$work/hit_statement.sql"
 printf '%s\nSELECT * FROM idem_server_bench.claim(%s, %s);\n' "$hit" "'hit.' || :k" "$args" >"$work/hit_function.sql"
 printf '%s\n%s\n' "$miss" "$(cte "'claim.' || :k")" >"$work/miss_statement.sql"
@@ -128,7 +133,7 @@ cpu() {
     echo $((last * 1000000 / $(getconf CLK_TCK) / n))
 }
 
-scripts=(select hit_statement hit_function miss_statement miss_function miss_floor miss_all_indexes miss_every_row_listed miss_no_listing_indexes)
+scripts=(select select_converted hit_statement hit_function miss_statement miss_function miss_floor miss_all_indexes miss_every_row_listed miss_no_listing_indexes)
 if [ $# -gt 0 ]; then scripts=("$@"); fi
 for _ in $(seq "$rounds"); do
     for s in "${scripts[@]}"; do echo "$s $(cpu "$work/$s.sql")"; done

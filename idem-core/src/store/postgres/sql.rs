@@ -27,18 +27,6 @@ pub(super) struct Sql {
     pub(super) resolve_released: String,
 }
 
-/// Milliseconds since the Unix epoch of a `timestamptz` expression; NULL stays NULL,
-/// and a time out of `int8`'s range (`infinity`, written by hand) is cut to its bounds.
-pub(super) fn ms(expr: &str) -> String {
-    format!(
-        "(CASE WHEN {expr} IS NULL THEN NULL \
-          ELSE least(greatest(extract(epoch from {expr}) * 1000, 0), {MAX_MS})::int8 END)"
-    )
-}
-
-/// The latest time `ms` gives: about 285,000 years from 1970.
-pub(super) const MAX_MS: i64 = 9_000_000_000_000_000;
-
 impl Sql {
     /// Where `sql` is among these statements, if it is one of them: the same string,
     /// not only an equal one, so a place never names another statement.
@@ -94,7 +82,7 @@ impl Sql {
             )
         };
         // The row under `$1` (all NULL if there is none) and the database time.
-        let read = format!("SELECT {}, {now}", columns(), now = ms("now()"));
+        let read = format!("SELECT {COLUMNS}, now()");
         let from = format!("FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1");
         // A claim of `$1`: fingerprint, token, lease ms, ttl ms.
         // The claim's origin: $6 run id, $7 tenant, $8 call id, $9 tool.
@@ -116,14 +104,13 @@ impl Sql {
             // What the claim decides by and the database time, when the key has a row:
             // a claim in a streak of hits reads it first (see `net::Streak`).
             claim_read: format!(
-                "SELECT {columns}, {now} FROM {t} AS r WHERE r.key = $1",
-                columns = claim_columns(),
-                now = ms("now()"),
+                "SELECT {columns}, now() FROM {t} AS r WHERE r.key = $1",
+                columns = CLAIM_COLUMNS,
             ),
             // A claim of a key without a row, alone: a claim in a streak of misses
             // inserts first (see `net::Streak`).
             claim_insert: format!("{insert} ON CONFLICT (key) DO NOTHING RETURNING 1"),
-            // What the claim decides by (see `claim_columns`), not the whole row.
+            // What the claim decides by (see `CLAIM_COLUMNS`), not the whole row.
             // The row is read first and the claim inserted only when the statement's
             // snapshot sees none: a key with a row (a hit) then costs the server a read,
             // not an insertion's conflict check on the primary key.
@@ -131,10 +118,9 @@ impl Sql {
                 "WITH found AS (SELECT {columns} FROM {t} AS r WHERE r.key = $1), \
                  fresh AS ({insert_select} WHERE NOT EXISTS (SELECT 1 FROM found) \
                      ON CONFLICT (key) DO NOTHING RETURNING 1) \
-                 SELECT found.*, {now}, (SELECT count(*) FROM fresh) \
+                 SELECT found.*, now(), (SELECT count(*) FROM fresh) \
                  FROM (SELECT 1) AS one LEFT JOIN found ON true",
-                columns = claim_columns(),
-                now = ms("now()"),
+                columns = CLAIM_COLUMNS,
             ),
             // An expired row starts a new history; a takeover or a retry goes on with
             // the row's (a row of idem 0.1 has none: its times say when it was written).
@@ -219,11 +205,10 @@ impl Sql {
         let conditions = conditions(filter, &mut params);
         let rows = settled_and_in_progress(|state| {
             format!(
-                "SELECT r.key, {columns}, {now} FROM {t} AS r \
+                "SELECT r.key, {columns}, now() FROM {t} AS r \
                  WHERE {state} AND r.expires_at > now() AND ($1::text IS NULL OR r.key > $1) \
                  {conditions} ORDER BY r.key LIMIT $2",
-                columns = columns(),
-                now = ms("now()"),
+                columns = COLUMNS,
                 t = self.table,
             )
         });
@@ -291,34 +276,22 @@ fn settled_and_in_progress(select: impl Fn(&str) -> String) -> String {
     )
 }
 
-/// The columns of a record, as `decode_row` reads them (a row of table `r`).
-pub(super) fn columns() -> String {
-    format!(
-        "r.fingerprint, r.state, r.token, {lease}, r.payload, {created}, {expires}, \
-         r.run_id, r.tenant, r.call_id, r.tool, {claimed}, {completed}, {renewed}, \
-         r.attempts, r.takeovers",
-        lease = ms("r.lease_until"),
-        created = ms("r.created_at"),
-        expires = ms("r.expires_at"),
-        claimed = ms("coalesce(r.claimed_at, r.created_at)"),
-        completed = ms("r.completed_at"),
-        renewed = ms("r.renewed_at"),
-    )
-}
-/// How many columns [`columns`] has: the database time follows them.
+/// The columns of a record, as `decode_row` reads them (a row of table `r`). Times are
+/// sent as stored, and read by the client (see `decode::Time`).
+pub(super) const COLUMNS: &str = "r.fingerprint, r.state, r.token, r.lease_until, r.payload, \
+     r.created_at, r.expires_at, r.run_id, r.tenant, r.call_id, r.tool, \
+     coalesce(r.claimed_at, r.created_at), r.completed_at, r.renewed_at, r.attempts, r.takeovers";
+
+/// How many columns [`COLUMNS`] has: the database time follows them.
 pub(super) const COLUMN_COUNT: usize = 16;
 
-/// The columns a claim decides by (see `decide_claim`): the first five of [`columns`],
+/// The columns a claim decides by (see `decide_claim`): the first five of [`COLUMNS`],
 /// then the expiry. The record's metadata and write time are for operators, never for
 /// decisions, and a hit does not read them.
-pub(super) fn claim_columns() -> String {
-    format!(
-        "r.fingerprint, r.state, r.token, {lease}, r.payload, {expires}",
-        lease = ms("r.lease_until"),
-        expires = ms("r.expires_at"),
-    )
-}
-/// How many columns [`claim_columns`] has: the database time follows them, then whether
+pub(super) const CLAIM_COLUMNS: &str =
+    "r.fingerprint, r.state, r.token, r.lease_until, r.payload, r.expires_at";
+
+/// How many columns [`CLAIM_COLUMNS`] has: the database time follows them, then whether
 /// the statement inserted the claim.
 pub(super) const CLAIM_COLUMN_COUNT: usize = 6;
 
