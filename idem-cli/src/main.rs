@@ -234,8 +234,27 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
-/// Milliseconds since the epoch as a time people read.
+/// The latest time RFC 3339 writes: 9999-12-31T23:59:59Z.
+const LATEST: Duration = Duration::from_secs(253_402_300_799);
+
+/// Milliseconds since the epoch as a time people read (RFC 3339, to the second). A time
+/// past year 9999 (a Postgres `infinity`, written into the table by hand) reads as the
+/// latest one RFC 3339 writes.
 fn time(t: Timestamp) -> String {
-    let at = SystemTime::UNIX_EPOCH + Duration::from_millis(t.as_millis());
-    humantime::format_rfc3339_seconds(at).to_string()
+    let since = Duration::from_millis(t.as_millis()).min(LATEST);
+    humantime::format_rfc3339_seconds(SystemTime::UNIX_EPOCH + since).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_past_year_9999_read_as_its_last_second() {
+        assert_eq!(time(Timestamp::from_millis(0)), "1970-01-01T00:00:00Z");
+        assert_eq!(time(Timestamp::from_millis(1_500)), "1970-01-01T00:00:01Z");
+        for far in [253_402_300_799_000, 253_402_300_800_000, u64::MAX] {
+            assert_eq!(time(Timestamp::from_millis(far)), "9999-12-31T23:59:59Z");
+        }
+    }
 }

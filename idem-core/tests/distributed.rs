@@ -197,6 +197,54 @@ async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_agai
     drop_table(&url, &table).await;
 }
 
+/// A column the statements return changes type under running workers (`ALTER COLUMN
+/// … TYPE`, here the expiry to `timestamptz(3)`, then back): the server refuses the
+/// statements each session prepared before, and they are prepared again. Every call
+/// answers, hits replay, and each body ran once.
+#[tokio::test]
+async fn postgres_a_column_that_changed_type_has_the_statements_prepared_again() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_altered");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .max_connections(1)
+        .connect()
+        .await
+        .unwrap();
+    let run = Run::new(unique("run")).with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    let alter = |to: &'static str| {
+        let (store, table) = (store.clone(), table.clone());
+        async move {
+            let session = store.pool().get().await.unwrap();
+            let sql = format!("ALTER TABLE {table} ALTER COLUMN expires_at TYPE {to}");
+            session.batch_execute(&sql).await.unwrap();
+        }
+    };
+    assert_eq!(call_counted(&run, &ran, 1, 10).await.unwrap(), 10);
+    assert!(store.list(&Default::default(), None, 10).await.is_ok());
+    // After each change: a hit, a miss (a claim and a completion) of the next input,
+    // and a listing of every record so far.
+    for (to, n) in [("timestamptz(3)", 2), ("timestamptz", 3)] {
+        alter(to).await;
+        assert_eq!(call_counted(&run, &ran, 1, 11).await.unwrap(), 10, "{to}");
+        assert_eq!(
+            call_counted(&run, &ran, n, n * 10).await.unwrap(),
+            n * 10,
+            "{to}"
+        );
+        let listed = store.list(&Default::default(), None, 10).await.unwrap();
+        assert_eq!(
+            listed.records.len() as u32,
+            n,
+            "{to}: {:?}",
+            listed.unreadable
+        );
+    }
+    assert_eq!(ran.load(SeqCst), 3);
+    drop_table(&url, &table).await;
+}
+
 /// A running call's renewals do not queue behind a burst of other calls for a pooled
 /// connection: with 3,000 calls (replays) flooding a pool of one connection while a
 /// body runs, the body keeps its claim. Another worker calling the same key meanwhile

@@ -377,10 +377,16 @@ impl PostgresStore {
         self.inner.prepared.get(&self.inner.sql, client, sql).await
     }
 
-    /// Runs `sql`, prepared on `client`, with `run`. A session that lost its prepared
-    /// statements (`DISCARD ALL`, `DEALLOCATE`, run on it by hand or by a pooler) has
-    /// them prepared again, and the statement runs once more: a statement the session
-    /// did not have ran nothing.
+    /// Runs `sql`, prepared on `client`, with `run`. A session whose prepared statements
+    /// no longer serve has them prepared again, and the statement runs once more:
+    ///
+    /// - it lost them (`DISCARD ALL`, `DEALLOCATE`, run on it by hand or by a pooler):
+    ///   a statement the session did not have ran nothing;
+    /// - a column they return changed type (`ALTER TABLE … ALTER COLUMN … TYPE`, even
+    ///   to `timestamptz(3)`: the statements return the time columns as stored), and the
+    ///   server refuses them (`cached plan must not change result type`, SQLSTATE
+    ///   0A000) before they run. A statement that failed ran nothing either way: each is
+    ///   a transaction of its own.
     async fn on<'a, T>(
         &self,
         client: &deadpool_postgres::Object,
@@ -389,8 +395,11 @@ impl PostgresStore {
     ) -> Result<T, tokio_postgres::Error> {
         let stmt = Box::pin(self.prepare(client, sql)).await?;
         match run(stmt).await {
-            Err(e) if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME) => {
-                tracing::debug!(table = %self.inner.table, error = %e, "idem: the session lost its prepared statements; preparing them again");
+            Err(e)
+                if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME)
+                    || e.code() == Some(&SqlState::FEATURE_NOT_SUPPORTED) =>
+            {
+                tracing::debug!(table = %self.inner.table, error = %e, "idem: the session's prepared statements no longer serve; preparing them again");
                 self.inner.prepared.forget(client);
                 let stmt = Box::pin(self.prepare(client, sql)).await?;
                 run(stmt).await
