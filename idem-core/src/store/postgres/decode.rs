@@ -69,8 +69,9 @@ pub(super) fn now_of(row: &Row, at: usize) -> Result<Timestamp, Error> {
     time_of(row, at + COLUMN_COUNT)
 }
 
-/// What a claim decides by, in a row of the claim's read (see [`CLAIM_COLUMNS`](super::sql::CLAIM_COLUMNS)): the
-/// record, without its metadata (`None` if the key has no row), and the database time.
+/// What a claim decides by, in a row of the claim's read (see
+/// [`CLAIM_COLUMNS`](super::sql::CLAIM_COLUMNS)): the record, without its metadata
+/// (`None` if the key has no row), and the database time.
 pub(super) fn decode_claim_read(
     key: &Key,
     row: &Row,
@@ -90,8 +91,9 @@ pub(super) fn decode_claim_read(
     Ok((Some(record), now))
 }
 
-/// The fingerprint and state in a row whose columns from `at` on begin as [`COLUMNS`](super::sql::COLUMNS)
-/// and [`CLAIM_COLUMNS`](super::sql::CLAIM_COLUMNS) do, or `None` if the key has no row.
+/// The fingerprint and state in a row whose columns from `at` on begin as
+/// [`COLUMNS`](super::sql::COLUMNS) and [`CLAIM_COLUMNS`](super::sql::CLAIM_COLUMNS) do,
+/// or `None` if the key has no row.
 pub(super) fn decode_decision(
     key: &Key,
     row: &Row,
@@ -127,8 +129,8 @@ pub(super) fn decode_decision(
     Ok(Some((Fingerprint::from_bytes(fingerprint), state)))
 }
 
-/// The record in a row whose columns from `at` on are [`COLUMNS`](super::sql::COLUMNS), or `None` if the key
-/// has no row.
+/// The record in a row whose columns from `at` on are [`COLUMNS`](super::sql::COLUMNS),
+/// or `None` if the key has no row.
 pub(super) fn decode_row(key: &Key, row: &Row, at: usize) -> Result<Option<Record>, Error> {
     let Some((fingerprint, state)) = decode_decision(key, row, at)? else {
         return Ok(None);
