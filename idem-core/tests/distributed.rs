@@ -106,6 +106,48 @@ async fn postgres_store_conforms() {
     drop_table(&url, &table).await;
 }
 
+/// A purge removes rows written by hand to expire before 1970 (`-infinity`, 1969, a
+/// batch's latest expiry there too), as every other expired row, and keeps live ones.
+#[tokio::test]
+async fn postgres_purge_removes_rows_that_expired_before_1970() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_purge_1969");
+    let store = PostgresStore::builder(&url)
+        .table(&table)
+        .connect()
+        .await
+        .unwrap();
+    let client = store.pool().get().await.unwrap();
+    let insert = |rows: &'static str| {
+        let sql = format!(
+            "INSERT INTO {table} (key, fingerprint, state, token, payload, created_at, expires_at)
+             SELECT key, '\\x00', 1, '\\x00', '\\x00', now(), expires_at
+             FROM (VALUES {rows}) AS r (key, expires_at)"
+        );
+        let client = &client;
+        async move { client.batch_execute(&sql).await.unwrap() }
+    };
+    // Alone, a batch whose latest expiry is `-infinity`.
+    insert("('minus_infinity', '-infinity'::timestamptz), ('live', now() + interval '1 hour')")
+        .await;
+    assert_eq!(store.purge_expired().await.unwrap(), 1);
+    insert(
+        "('y1969', '1969-12-31 23:59:59.9995+00'::timestamptz), \
+         ('y1970', '1970-01-01 00:00:00+00'), ('an_hour_ago', now() - interval '1 hour')",
+    )
+    .await;
+    assert_eq!(store.purge_expired().await.unwrap(), 3);
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+    let left = client
+        .query(&format!("SELECT key FROM {table}"), &[])
+        .await
+        .unwrap();
+    let left: Vec<String> = left.iter().map(|row| row.get(0)).collect();
+    assert_eq!(left, ["live"]);
+    drop(client);
+    drop_table(&url, &table).await;
+}
+
 /// A purge deletes in batches of 10,000 rows, each starting at the last one's latest
 /// expiry: a backlog of several batches goes whole, also where rows sharing an expiry
 /// straddle the border of two batches and expiries fall between whole milliseconds,

@@ -185,7 +185,9 @@ const STORE: &str = "postgres";
 ///   ```
 ///
 ///   until a batch comes back short. `$1` is the last batch's latest expiry (in whole
-///   milliseconds, rounded down, so rows sharing it are not skipped): each batch starts
+///   milliseconds, rounded down, so rows sharing it are not skipped; `-infinity` for
+///   the first batch, and after one whose latest expiry is not after 1970, so rows
+///   written by hand to expire before 1970 go too): each batch starts
 ///   where the last one ended, and does not walk the index entries of the rows just
 ///   deleted. Every statement stays well within the store's timeout whatever the
 ///   backlog (one `DELETE` of 10⁶ rows took 0.6–0.9 s here, so a backlog of some
@@ -302,6 +304,18 @@ fn pg_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
 /// A statement running, in a box of its own (see `PostgresStore::client`).
 type Pending<'a, T> = Pin<Box<dyn Future<Output = Result<T, tokio_postgres::Error>> + Send + 'a>>;
 
+/// Whether the server refused a prepared statement because a column it returns changed
+/// type since it was prepared. That error's SQLSTATE (0A000, "feature not supported")
+/// also covers errors that preparing again would not mend (`infinity` cast to `int8`),
+/// so it is told by the server routine that raises it, or by its message.
+fn stale_plan(e: &tokio_postgres::Error) -> bool {
+    e.as_db_error().is_some_and(|db| {
+        *db.code() == SqlState::FEATURE_NOT_SUPPORTED
+            && (db.routine() == Some("RevalidateCachedQuery")
+                || db.message() == "cached plan must not change result type")
+    })
+}
+
 /// Milliseconds as Postgres' `int8`.
 fn millis(d: Duration) -> i64 {
     i64::try_from(crate::record::millis(d)).unwrap_or(i64::MAX)
@@ -395,10 +409,7 @@ impl PostgresStore {
     ) -> Result<T, tokio_postgres::Error> {
         let stmt = Box::pin(self.prepare(client, sql)).await?;
         match run(stmt).await {
-            Err(e)
-                if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME)
-                    || e.code() == Some(&SqlState::FEATURE_NOT_SUPPORTED) =>
-            {
+            Err(e) if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME) || stale_plan(&e) => {
                 tracing::debug!(table = %self.inner.table, error = %e, "idem: the session's prepared statements no longer serve; preparing them again");
                 self.inner.prepared.forget(client);
                 let stmt = Box::pin(self.prepare(client, sql)).await?;

@@ -181,15 +181,18 @@ impl Sql {
                 "DELETE FROM {t} WHERE key = $1 AND {checks}",
                 checks = on_the_row("expires_at > now() AND NOT (state = 0 AND lease_until > now())"),
             ),
-            // `$1` in whole milliseconds, rounded down from the last batch's latest expiry.
+            // `$1` in whole milliseconds, rounded down from the last batch's latest expiry;
+            // 0 (the first batch, or one whose latest expiry is not after 1970) starts at
+            // `-infinity`, so rows written by hand to expire before 1970 go too.
             purge: format!(
                 "WITH gone AS (DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
                      SELECT ctid FROM {t} WHERE expires_at <= now() \
-                     AND expires_at >= to_timestamp($1::int8 / 1000.0) \
+                     AND expires_at >= CASE WHEN $1::int8 <= 0 THEN '-infinity'::timestamptz \
+                         ELSE to_timestamp($1::int8 / 1000.0) END \
                      ORDER BY expires_at LIMIT $2)) \
                  AND expires_at <= now() RETURNING expires_at) \
-                 SELECT count(*), \
-                     coalesce(floor(extract(epoch from max(expires_at)) * 1000)::int8, 0) \
+                 SELECT count(*), coalesce(greatest( \
+                     floor(extract(epoch from max(expires_at)) * 1000), 0)::int8, 0) \
                  FROM gone"
             ),
             table: t.to_owned(),
