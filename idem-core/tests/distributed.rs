@@ -112,11 +112,7 @@ async fn postgres_store_conforms() {
 async fn postgres_purge_removes_rows_that_expired_before_1970() {
     let Some(url) = postgres_url() else { return };
     let table = unique("idem_purge_1969");
-    let store = PostgresStore::builder(&url)
-        .table(&table)
-        .connect()
-        .await
-        .unwrap();
+    let store = store_on(&url, &table, 2).await;
     let client = store.pool().get().await.unwrap();
     let insert = |rows: &'static str| {
         let sql = format!(
@@ -206,21 +202,23 @@ async fn call_counted(run: &Run, ran: &Arc<AtomicUsize>, n: u32, value: u32) -> 
         .await
 }
 
+/// A table of its own (named from `prefix`) and a store on it with one connection, so
+/// that every statement runs on the session a test spoils; a run on the store, and a
+/// count of the bodies `call_counted` runs.
+async fn one_session(url: &str, prefix: &str) -> (String, PostgresStore, Run, Arc<AtomicUsize>) {
+    let table = unique(prefix);
+    let store = store_on(url, &table, 1).await;
+    let run = Run::new(unique("run")).with_store(store.clone());
+    (table, store, run, Arc::new(AtomicUsize::new(0)))
+}
+
 /// A session whose prepared statements went (`DISCARD ALL`, `DEALLOCATE`, run by hand
 /// or by a pooler) has them prepared again: every call after it works, with no error
 /// and no second run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_again() {
     let Some(url) = postgres_url() else { return };
-    let table = unique("idem_discard_all");
-    let store = PostgresStore::builder(&url)
-        .table(&table)
-        .max_connections(1)
-        .connect()
-        .await
-        .unwrap();
-    let run = Run::new(unique("run")).with_store(store.clone());
-    let ran = Arc::new(AtomicUsize::new(0));
+    let (table, store, run, ran) = one_session(&url, "idem_discard_all").await;
     let discard = || async {
         let session = store.pool().get().await.unwrap();
         session.batch_execute("DISCARD ALL").await.unwrap();
@@ -246,15 +244,7 @@ async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_agai
 #[tokio::test]
 async fn postgres_a_column_that_changed_type_has_the_statements_prepared_again() {
     let Some(url) = postgres_url() else { return };
-    let table = unique("idem_altered");
-    let store = PostgresStore::builder(&url)
-        .table(&table)
-        .max_connections(1)
-        .connect()
-        .await
-        .unwrap();
-    let run = Run::new(unique("run")).with_store(store.clone());
-    let ran = Arc::new(AtomicUsize::new(0));
+    let (table, store, run, ran) = one_session(&url, "idem_altered").await;
     let alter = |to: &'static str| {
         let (store, table) = (store.clone(), table.clone());
         async move {
