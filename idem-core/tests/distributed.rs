@@ -277,6 +277,66 @@ async fn postgres_a_column_that_changed_type_has_the_statements_prepared_again()
     drop_table(&url, &table).await;
 }
 
+/// A migration that alters the time columns one statement at a time, again and again,
+/// under 16 tasks calling (hits) on 16 sessions: a statement prepared again can meet
+/// the next change before it runs, and is prepared again once more. No call fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_calls_go_on_through_a_migration_of_many_statements() {
+    let Some(url) = postgres_url() else { return };
+    let table = unique("idem_migrating");
+    let store = store_on(&url, &table, 16).await;
+    let run = Run::new(unique("run")).with_store(store.clone());
+    let ran = Arc::new(AtomicUsize::new(0));
+    for n in 0..16 {
+        call_counted(&run, &ran, n, n).await.unwrap();
+    }
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let callers: Vec<_> = (0..16)
+        .map(|n| {
+            let (run, ran, done) = (run.clone(), ran.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut failed = Vec::new();
+                while !done.load(SeqCst) {
+                    match call_counted(&run, &ran, n, u32::MAX).await {
+                        Ok(value) => assert_eq!(value, n),
+                        Err(error) => failed.push(error.to_string()),
+                    }
+                }
+                failed
+            })
+        })
+        .collect();
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    for round in 0..10 {
+        let to = if round % 2 == 0 {
+            "timestamptz(3)"
+        } else {
+            "timestamptz"
+        };
+        for column in ["lease_until", "expires_at", "created_at"] {
+            let sql = format!("ALTER TABLE {table} ALTER COLUMN {column} TYPE {to}");
+            client.batch_execute(&sql).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    done.store(true, SeqCst);
+    for caller in callers {
+        let failed = caller.await.unwrap();
+        assert!(
+            failed.is_empty(),
+            "{} calls failed: {:?}",
+            failed.len(),
+            &failed[..1]
+        );
+    }
+    assert_eq!(ran.load(SeqCst), 16);
+    drop(client);
+    drop_table(&url, &table).await;
+}
+
 /// A running call's renewals do not queue behind a burst of other calls for a pooled
 /// connection: with 3,000 calls (replays) flooding a pool of one connection while a
 /// body runs, the body keeps its claim. Another worker calling the same key meanwhile

@@ -304,6 +304,10 @@ fn pg_error(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
 /// A statement running, in a box of its own (see `PostgresStore::client`).
 type Pending<'a, T> = Pin<Box<dyn Future<Output = Result<T, tokio_postgres::Error>> + Send + 'a>>;
 
+/// How many times a statement is prepared and run when the session's prepared
+/// statements no longer serve (see `PostgresStore::on`).
+const PREPARE_ATTEMPTS: usize = 8;
+
 /// Whether the server refused a prepared statement because a column it returns changed
 /// type since it was prepared. That error's SQLSTATE (0A000, "feature not supported")
 /// also covers errors that preparing again would not mend (`infinity` cast to `int8`),
@@ -401,21 +405,31 @@ impl PostgresStore {
     ///   server refuses them (`cached plan must not change result type`, SQLSTATE
     ///   0A000) before they run. A statement that failed ran nothing either way: each is
     ///   a transaction of its own.
+    ///
+    /// Up to [`PREPARE_ATTEMPTS`] times: a migration that alters several columns, one
+    /// statement each, can change the table again between a statement's new preparation
+    /// and its run. The operation's timeout bounds them all.
     async fn on<'a, T>(
         &self,
         client: &deadpool_postgres::Object,
         sql: &str,
         run: impl Fn(Statement) -> Pending<'a, T>,
     ) -> Result<T, tokio_postgres::Error> {
-        let stmt = Box::pin(self.prepare(client, sql)).await?;
-        match run(stmt).await {
-            Err(e) if e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME) || stale_plan(&e) => {
-                tracing::debug!(table = %self.inner.table, error = %e, "idem: the session's prepared statements no longer serve; preparing them again");
-                self.inner.prepared.forget(client);
-                let stmt = Box::pin(self.prepare(client, sql)).await?;
-                run(stmt).await
+        let mut attempt = 1;
+        loop {
+            let stmt = Box::pin(self.prepare(client, sql)).await?;
+            match run(stmt).await {
+                Err(e)
+                    if attempt < PREPARE_ATTEMPTS
+                        && (e.code() == Some(&SqlState::INVALID_SQL_STATEMENT_NAME)
+                            || stale_plan(&e)) =>
+                {
+                    tracing::debug!(table = %self.inner.table, error = %e, "idem: the session's prepared statements no longer serve; preparing them again");
+                    self.inner.prepared.forget(client);
+                    attempt += 1;
+                }
+                other => return other,
             }
-            other => other,
         }
     }
 
