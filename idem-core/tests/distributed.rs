@@ -202,12 +202,16 @@ async fn call_counted(run: &Run, ran: &Arc<AtomicUsize>, n: u32, value: u32) -> 
         .await
 }
 
-/// A table of its own (named from `prefix`) and a store on it with one connection, so
-/// that every statement runs on the session a test spoils; a run on the store, and a
-/// count of the bodies `call_counted` runs.
-async fn one_session(url: &str, prefix: &str) -> (String, PostgresStore, Run, Arc<AtomicUsize>) {
+/// A table of its own (named from `prefix`) and a store on it with `connections`
+/// sessions (one, so that every statement runs on the session a test spoils); a run on
+/// the store, and a count of the bodies `call_counted` runs.
+async fn counted_store(
+    url: &str,
+    prefix: &str,
+    connections: usize,
+) -> (String, PostgresStore, Run, Arc<AtomicUsize>) {
     let table = unique(prefix);
-    let store = store_on(url, &table, 1).await;
+    let store = store_on(url, &table, connections).await;
     let run = Run::new(unique("run")).with_store(store.clone());
     (table, store, run, Arc::new(AtomicUsize::new(0)))
 }
@@ -218,7 +222,7 @@ async fn one_session(url: &str, prefix: &str) -> (String, PostgresStore, Run, Ar
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_again() {
     let Some(url) = postgres_url() else { return };
-    let (table, store, run, ran) = one_session(&url, "idem_discard_all").await;
+    let (table, store, run, ran) = counted_store(&url, "idem_discard_all", 1).await;
     let discard = || async {
         let session = store.pool().get().await.unwrap();
         session.batch_execute("DISCARD ALL").await.unwrap();
@@ -244,7 +248,7 @@ async fn postgres_a_session_that_lost_its_prepared_statements_prepares_them_agai
 #[tokio::test]
 async fn postgres_a_column_that_changed_type_has_the_statements_prepared_again() {
     let Some(url) = postgres_url() else { return };
-    let (table, store, run, ran) = one_session(&url, "idem_altered").await;
+    let (table, store, run, ran) = counted_store(&url, "idem_altered", 1).await;
     let alter = |to: &'static str| {
         let (store, table) = (store.clone(), table.clone());
         async move {
@@ -283,10 +287,7 @@ async fn postgres_a_column_that_changed_type_has_the_statements_prepared_again()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_calls_go_on_through_a_migration_of_many_statements() {
     let Some(url) = postgres_url() else { return };
-    let table = unique("idem_migrating");
-    let store = store_on(&url, &table, 16).await;
-    let run = Run::new(unique("run")).with_store(store.clone());
-    let ran = Arc::new(AtomicUsize::new(0));
+    let (table, _store, run, ran) = counted_store(&url, "idem_migrating", 16).await;
     for n in 0..16 {
         call_counted(&run, &ran, n, n).await.unwrap();
     }
