@@ -33,8 +33,25 @@ struct Scratch {
     tail: Vec<u8>,
 }
 
-/// An object entry: where its key text and its canonical value were written.
-type Entry = (Range<usize>, Range<usize>);
+/// An object entry: where its key text and its canonical value were written, and the
+/// key's [`head`].
+struct Entry {
+    key: Range<usize>,
+    value: Range<usize>,
+    head: u64,
+}
+
+/// A key's first eight bytes as a big-endian number, zeros past its end. Two keys
+/// whose heads differ are in the order of their heads, since a byte that differs within
+/// the first eight decides both orders alike (a key that ends there reads as zeros,
+/// and sorts first either way); keys with equal heads are compared whole. Most keys
+/// differ within eight bytes, so sorting an object's entries seldom reads their text.
+fn head(key: &[u8]) -> u64 {
+    let mut first = [0u8; 8];
+    let n = key.len().min(8);
+    first[..n].copy_from_slice(&key[..n]);
+    u64::from_be_bytes(first)
+}
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = const {
@@ -503,7 +520,12 @@ impl<'a> Map<'a> {
             depth: self.depth,
         })?;
         let end = self.out.len();
-        self.scratch.entries.push((key, at..end));
+        let head = head(&self.out[key.clone()]);
+        self.scratch.entries.push(Entry {
+            key,
+            value: at..end,
+            head,
+        });
         Ok(())
     }
 
@@ -520,16 +542,21 @@ impl<'a> Map<'a> {
         tail.clear();
         tail.extend_from_slice(&out[start..]);
         let bytes = |r: &Range<usize>| &tail[r.start - start..r.end - start];
-        mine.sort_by(|a, b| bytes(&a.0).cmp(bytes(&b.0)));
+        // Stable: a map that writes a key twice keeps both, in the order written.
+        mine.sort_by(|a, b| {
+            a.head
+                .cmp(&b.head)
+                .then_with(|| bytes(&a.key).cmp(bytes(&b.key)))
+        });
         out.truncate(start);
         out.push(b'{');
-        for (i, (key, value)) in mine.iter().enumerate() {
+        for (i, entry) in mine.iter().enumerate() {
             if i > 0 {
                 out.push(b',');
             }
-            write_str(out, bytes(key));
+            write_str(out, bytes(&entry.key));
             out.push(b':');
-            out.extend_from_slice(bytes(value));
+            out.extend_from_slice(bytes(&entry.value));
         }
         out.push(b'}');
         if close_variant {

@@ -504,6 +504,30 @@ mod tests {
             let map = AsMap(&pairs);
             prop_assert_eq!(canonical_json(&map).unwrap(), reference(&map).unwrap());
         }
+
+        /// Keys that share their first eight bytes or more, are prefixes of each other
+        /// and hold NUL bytes (which read as the zeros a short key's head is padded
+        /// with): sorted by raw key, as the reference sorts them.
+        #[test]
+        fn keys_alike_in_their_first_eight_bytes_are_sorted_by_the_rest(
+            keys in proptest::collection::vec("(campaign){0,2}[a\\x00]{0,10}", 0..10),
+        ) {
+            let mut seen = std::collections::HashSet::new();
+            let pairs: Vec<(String, Value)> = keys
+                .into_iter()
+                .filter(|k| seen.insert(k.clone()))
+                .enumerate()
+                .map(|(i, k)| (k, Value::from(i)))
+                .collect();
+            struct AsMap<'a>(&'a [(String, Value)]);
+            impl Serialize for AsMap<'_> {
+                fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                    s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+                }
+            }
+            let map = AsMap(&pairs);
+            prop_assert_eq!(canonical_json(&map).unwrap(), reference(&map).unwrap());
+        }
     }
 
     fn canon<T: Serialize>(v: &T) -> String {

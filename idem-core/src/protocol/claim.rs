@@ -1,7 +1,8 @@
 //! Claiming a call's key, and waiting for another call that holds it.
 //!
-//! [`acquire`] answers a call before its body may run: a result the store lends at
-//! once (the hit path, no claim), a stored outcome the claim found, or the claim itself
+//! A call is answered before its body may run in two steps: [`look_up`], the hit path,
+//! takes a result the store lends at once (no claim); when it finds none, [`claim_key`]
+//! claims the key and gives a stored outcome the claim found, or the claim itself
 //! ([`Owner`]). A key another call holds is waited for ([`Waiting`]); a claim whose
 //! answer never came is released once it has landed.
 
@@ -59,30 +60,6 @@ pub(crate) enum Acquired<'a> {
     Owner(Owner, Report<'a>),
 }
 
-/// Acquires the call's key (see the module docs). A result the store can lend at once
-/// goes to `hit` before this returns (`hit` is not held by the future, so a decoder
-/// that is not `Send` leaves the call's future `Send`); the rest is awaited.
-/// `caches_errors` says whether the tool's errors are stored and replayed.
-///
-/// A call that ends here with an error is reported here.
-pub(crate) fn acquire<'a>(
-    call: &'a Call,
-    report: Report<'a>,
-    caches_errors: bool,
-    hit: &mut dyn Lend,
-) -> Acquiring<'a> {
-    Acquiring(match look_up(call, report, hit) {
-        Ok(Looked::Hit(report)) => Step::Done(Some(Ok(Acquired::Hit(report)))),
-        Ok(Looked::Miss(store, report)) => Step::Claim(Box::pin(claimed::<AsyncPause>(
-            call,
-            store,
-            report,
-            caches_errors,
-        ))),
-        Err(error) => Step::Done(Some(Err(error))),
-    })
-}
-
 /// Where a store lends a completed result on the hit path: the tool's decoder. A trait
 /// of one method, so each tool's decoder is one function, not a closure's shims.
 pub(crate) trait Lend {
@@ -118,8 +95,10 @@ pub(crate) enum Looked<'a> {
     Miss(Cow<'a, Arc<dyn Store>>, Report<'a>),
 }
 
-/// The hit path alone (see [`acquire`]), which runs in line, before anything is
-/// awaited. An error is reported here.
+/// The hit path (see the module docs), which runs in line, before anything is awaited.
+/// A result the store lends goes to `hit` before this returns (`hit` is not held by
+/// the call's future, so a decoder that is not `Send` leaves that future `Send`). An
+/// error is reported here.
 pub(crate) fn look_up<'a>(
     call: &'a Call,
     report: Report<'a>,
@@ -136,7 +115,7 @@ pub(crate) fn look_up<'a>(
     }
 }
 
-/// The claim of [`acquire`], for a call whose hit path found nothing.
+/// The claim (see the module docs), for a call whose hit path found nothing.
 pub(crate) async fn claim_key<'a>(
     call: &'a Call,
     report: Report<'a>,
@@ -149,7 +128,7 @@ pub(crate) async fn claim_key<'a>(
     claimed::<AsyncPause>(call, store, report, caches_errors).await
 }
 
-/// [`acquire`] for a sync tool, whose waits block its thread.
+/// [`look_up`], then [`claim_key`], for a sync tool, whose waits block its thread.
 pub(crate) fn acquire_blocking<'a>(
     call: &'a Call,
     report: Report<'a>,
@@ -160,30 +139,6 @@ pub(crate) fn acquire_blocking<'a>(
         Looked::Hit(report) => Ok(Acquired::Hit(report)),
         Looked::Miss(store, report) => {
             pollster::block_on(claimed::<BlockingPause>(call, store, report, caches_errors))
-        }
-    }
-}
-
-/// An acquisition under way (see [`acquire`]): answered at once (a hit, or an error),
-/// or a claim, boxed, so that the future of every tool's call holds a pointer to it,
-/// not its states.
-pub(crate) struct Acquiring<'a>(Step<'a>);
-
-enum Step<'a> {
-    Done(Option<Result<Acquired<'a>, Error>>),
-    Claim(Pin<Box<dyn Future<Output = Result<Acquired<'a>, Error>> + Send + 'a>>),
-}
-
-impl<'a> Future for Acquiring<'a> {
-    type Output = Result<Acquired<'a>, Error>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.0 {
-            Step::Done(done) => Poll::Ready(
-                done.take()
-                    .unwrap_or_else(|| Err(Error::store("idem", "polled after completion"))),
-            ),
-            Step::Claim(claim) => claim.as_mut().poll(cx),
         }
     }
 }

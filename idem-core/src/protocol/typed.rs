@@ -22,7 +22,7 @@ use crate::error::Error;
 use crate::key_text::Key;
 use crate::read_back::{self, Equality};
 use crate::run::Run;
-use crate::telemetry::Report;
+use crate::telemetry::{Handover, Report};
 
 /// The argument the attribute takes for the call's run: an argument whose type is
 /// written `Run` or `&Run` (or `idem::Run`). A type of another crate named `Run` is
@@ -269,12 +269,43 @@ where
 {
     let Checked { call, compare } = call.into();
     let call = call?;
+    // The hit path, in line and in the call's span. Only a miss makes the states of the
+    // rest (the claim, the body, its heartbeat, the record), in a box of their own: a
+    // hit's future holds none of them, and moving it copies a few hundred bytes, not
+    // the kilobyte and a half they take.
+    let handover = {
+        let _in_span = call.span().enter();
+        let mut hit = Hit::<R, C>::new();
+        match claim::look_up(&call, call.report(), &mut hit)? {
+            claim::Looked::Hit(report) => return replay_hit(report, hit.decoded),
+            // The miss finds its store again, inside its box.
+            claim::Looked::Miss(_, report) => report.handover(),
+        }
+    };
+    Box::pin(missed::<R, C, Fut>(call, handover, operation, compare)).await
+}
+
+/// The part of [`execute`] after a hit path that found nothing: claims the key
+/// (waiting for another call that holds it), then replays what the claim found, or
+/// runs the body as the owner.
+async fn missed<R, C, Fut>(
+    call: Call,
+    handover: Handover,
+    operation: Fut,
+    compare: Compare<R::Ok, R::Err>,
+) -> Result<R, Error>
+where
+    R: ToolOutput,
+    C: ErrorPolicy<R::Err>,
+    Fut: Future<Output = R>,
+{
     let span = call.span().clone();
     async move {
-        let mut hit = Hit::<R, C>::new();
-        let acquiring = claim::acquire(&call, call.report(), C::STORED.is_some(), &mut hit);
-        let acquired = acquiring.await?;
-        let (owner, report) = match replay::<R, C>(&call, acquired, hit.decoded)? {
+        let report = call.resume(handover);
+        // Boxed too: the claim's states (its waits among them) would take this box over
+        // the size the allocator keeps a cache of.
+        let acquired = Box::pin(claim::claim_key(&call, report, C::STORED.is_some())).await?;
+        let (owner, report) = match replay::<R, C>(&call, acquired, None)? {
             Acquisition::Replay(output) => return Ok(output),
             Acquisition::Owner(owner, report) => (owner, report),
         };
