@@ -14,7 +14,8 @@
 //! the cost of one call, the process's start and end cancelled out; the same for a loop
 //! that builds the inputs and makes no call is subtracted. The paths:
 //!
-//! - `hit`: an attribute tool whose key completed, replayed;
+//! - `hit`: an attribute tool taking `Input` whose key completed, replayed;
+//! - `hit, input borrowed`: the same of a tool taking `&Input`;
 //! - `miss, input borrowed`: an attribute tool taking `&Input` (its body cannot finish
 //!   alone: the call runs it in place), on a new key each call;
 //! - `miss, input owned`: an attribute tool taking `Input` (its body finishes alone if
@@ -88,8 +89,9 @@ fn input(count: u64) -> Input {
 }
 
 /// The paths measured: the argument the child takes, and the row's label.
-const PATHS: [(&str, &str); 5] = [
+const PATHS: [(&str, &str); 6] = [
     ("hit", "hit"),
+    ("borrowed-hit", "hit, input borrowed"),
     ("borrowed", "miss, input borrowed"),
     ("owned", "miss, input owned"),
     ("tool-hit", "Tool hit"),
@@ -114,6 +116,7 @@ async fn call(path: Option<&str>, tool: &idem::Tool, run: &idem::Run, i: u64) ->
     let result = match path {
         Some("hit") => owned(input(u64::MAX)).await,
         Some("owned") => owned(input(i)).await,
+        Some("borrowed-hit") => borrowed(&input(u64::MAX)).await,
         Some("borrowed") => borrowed(&input(i)).await,
         Some("tool-hit") => dynamic(tool, run, u64::MAX).await,
         Some("tool-miss") => dynamic(tool, run, i).await,
@@ -169,6 +172,7 @@ fn child(store: &str, path: Option<&str>, calls: u64) {
         run.clone()
             .scope(async {
                 call(Some("hit"), &tool, &run, u64::MAX).await;
+                call(Some("borrowed-hit"), &tool, &run, u64::MAX).await;
                 call(Some("tool-hit"), &tool, &run, u64::MAX).await;
                 for i in 0..calls {
                     match (path, &floor) {

@@ -302,9 +302,7 @@ where
     let span = call.span().clone();
     async move {
         let report = call.resume(handover);
-        // Boxed too: the claim's states (its waits among them) would take this box over
-        // the size the allocator keeps a cache of.
-        let acquired = Box::pin(claim::claim_key(&call, report, C::STORED.is_some())).await?;
+        let acquired = claim::claim_key(&call, report, C::STORED.is_some()).await?;
         let (owner, report) = match replay::<R, C>(&call, acquired, None)? {
             Acquisition::Replay(output) => return Ok(output),
             Acquisition::Owner(owner, report) => (owner, report),
