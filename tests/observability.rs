@@ -450,6 +450,30 @@ fn a_call_without_a_run_is_rejected() {
 }
 
 #[test]
+fn a_key_asked_for_is_no_call() {
+    // A map with a key that is not a string does not serialize for `key = [...]`.
+    let unserializable: std::collections::HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
+    let capture = Capture::default();
+    let run = run();
+    let (key, refused, called) = with_capture(&capture, async {
+        let tool = idem::Tool::new("lookup");
+        let key = tool.key_of(&run, &email("ada@example.com"));
+        let refused = tool.clone().key(["to"]).key_of(&run, &unserializable);
+        let called = tool
+            .call(&run, &email("ada@example.com"), |key| async move {
+                Ok::<_, Error>(key.to_string())
+            })
+            .await;
+        (key, refused, called)
+    });
+    // The key is the one a call gets, and asking for it made no call: the one span is
+    // the call's.
+    assert_eq!(called.unwrap(), key.unwrap().to_string());
+    assert!(matches!(refused, Err(Error::Input { .. })), "{refused:?}");
+    assert_eq!(capture.outcomes("lookup"), ["executed"]);
+}
+
+#[test]
 fn a_dropped_call_is_cancelled_unless_its_body_runs_on() {
     let capture = Capture::default();
     let provider = Provider::default();

@@ -245,8 +245,13 @@ impl<Errors> Tool<Errors> {
     }
 
     /// The key a call of this tool with `input` in `run` has.
+    ///
+    /// Only the key is derived: no call is made, so none is traced or counted (an
+    /// input that does not serialize is an `Err` here, not a refused call).
     pub fn key_of<I: Serialize + ?Sized>(&self, run: &Run, input: &I) -> Result<Key, Error> {
-        self.prepare(run, input).map(|call| call.key().clone())
+        self.with_args(run, input, false, |args, key| {
+            Call::key_of_args(run, &self.name, args, key)
+        })
     }
 
     /// Calls the tool: runs `body` at most once per key (the run, this tool and
@@ -311,7 +316,22 @@ impl<Errors> Tool<Errors> {
     /// The call of this tool with `input` in `run`: its key and fingerprint, as the
     /// attribute makes them of a function with one argument.
     fn prepare<I: Serialize + ?Sized>(&self, run: &Run, input: &I) -> Result<Call, Error> {
-        let (name, options) = (&*self.name, self.options);
+        self.with_args(run, input, true, |args, key| {
+            Call::from_args(Some(run), &self.name, self.options, args, key)
+        })
+    }
+
+    /// `make` of this tool's arguments for `input`: the input (and the scope), and the
+    /// fields that form the key, if not all of it. An input that does not serialize
+    /// for its key's fields is reported as a refused call if `reported`.
+    fn with_args<I: Serialize + ?Sized, T>(
+        &self,
+        run: &Run,
+        input: &I,
+        reported: bool,
+        make: impl FnOnce(&[&dyn KeyInput], Option<&[&dyn KeyInput]>) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        let name = &*self.name;
         let scope = self.scope.as_deref();
         let arg: &dyn KeyInput = &input;
         let args: &[&dyn KeyInput] = match scope {
@@ -319,14 +339,16 @@ impl<Errors> Tool<Errors> {
             None => &[arg],
         };
         let Some(pointers) = &self.key else {
-            return Call::from_args(Some(run), &self.name, options, args, None);
+            return make(args, None);
         };
         let json = serde_json::to_value(input).map_err(|source| {
             let error = Error::Input {
                 tool: name.to_owned(),
                 source,
             };
-            telemetry::rejected(name, run.call_id(), &error);
+            if reported {
+                telemetry::rejected(name, run.call_id(), &error);
+            }
             error
         })?;
         let fields = pointers
@@ -336,7 +358,7 @@ impl<Errors> Tool<Errors> {
             .map(|field| field as &dyn KeyInput)
             .chain(scope.map(|scope| scope as &dyn KeyInput))
             .collect();
-        Call::from_args(Some(run), &self.name, options, args, Some(&key))
+        make(args, Some(&key))
     }
 }
 

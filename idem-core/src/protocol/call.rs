@@ -179,45 +179,33 @@ impl Call {
         args: &[&dyn KeyInput],
         key: Option<&[&dyn KeyInput]>,
     ) -> Result<Call, Error> {
-        Self::build(run, tool.into(), options, |parts| {
-            let fingerprint = Fingerprint::of_args(parts, args)?;
-            let key_fingerprint = match key {
-                Some(key) => Fingerprint::of_args(parts, key)?,
-                None => fingerprint,
-            };
-            Ok((fingerprint, key_fingerprint))
-        })
+        Self::build(run, tool.into(), options, |parts| of_args(parts, args, key))
     }
 
-    /// Resolves the run (the explicit one, else the ambient one), then takes the
-    /// fingerprints of the whole input and of the key's input with the call's parts.
+    /// The key [`Call::from_args`] would give a call of `tool` in `run`, derived without
+    /// making the call: no span, and an error is returned, not reported as a refused
+    /// call. What [`Tool::key_of`](crate::Tool::key_of) answers.
+    pub(crate) fn key_of_args(
+        run: &Run,
+        tool: &str,
+        args: &[&dyn KeyInput],
+        key: Option<&[&dyn KeyInput]>,
+    ) -> Result<Key, Error> {
+        let (_, _, key) = derive(Some(run), tool, Telemetry::Off, |parts| {
+            of_args(parts, args, key)
+        })?;
+        Ok(key)
+    }
+
+    /// Derives the call's run, fingerprint and key (see [`derive`]), then makes the
+    /// call, with its span.
     fn build(
         run: Option<&Run>,
         tool: ToolName,
         options: Options,
         fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(Fingerprint, Fingerprint), Error>,
     ) -> Result<Call, Error> {
-        let run = match run.cloned().or_else(Run::current) {
-            // A blank id would make every such caller one run.
-            Some(run) if !crate::run::is_blank(run.id()) => run,
-            run => {
-                let error = Error::NoRun {
-                    tool: tool.to_string(),
-                    blank_id: run.as_ref().map(|run| run.id().to_owned()),
-                };
-                telemetry::rejected(&tool, run.as_ref().and_then(Run::call_id), &error);
-                return Err(error);
-            }
-        };
-        let parts = KeyParts {
-            tenant: run.tenant(),
-            run_id: run.id(),
-            call_id: run.call_id(),
-            tool: &tool,
-        };
-        let (fingerprint, key_fingerprint) = fingerprints(&parts)
-            .inspect_err(|error| telemetry::rejected(&tool, run.call_id(), error))?;
-        let key = Key::of(&tool, &key_fingerprint);
+        let (run, fingerprint, key) = derive(run, &tool, Telemetry::On, fingerprints)?;
         Ok(Call {
             tally: Tally::new(&tool, &key, &run),
             key,
@@ -263,6 +251,67 @@ impl Call {
     pub(super) fn resume(&self, handover: Handover) -> Report<'_> {
         Report::resume(&self.tool, &self.key, &self.run, &self.tally, handover)
     }
+}
+
+/// The fingerprints of a call made of `args`: of them all, and of those that form the
+/// key (`key`, or all of them).
+fn of_args(
+    parts: &KeyParts<'_>,
+    args: &[&dyn KeyInput],
+    key: Option<&[&dyn KeyInput]>,
+) -> Result<(Fingerprint, Fingerprint), Error> {
+    let fingerprint = Fingerprint::of_args(parts, args)?;
+    let key_fingerprint = match key {
+        Some(key) => Fingerprint::of_args(parts, key)?,
+        None => fingerprint,
+    };
+    Ok((fingerprint, key_fingerprint))
+}
+
+/// Whether [`derive`] reports a call it refuses (a call about to be made), or only
+/// returns the error (a key asked for, no call made).
+#[derive(Clone, Copy, PartialEq)]
+enum Telemetry {
+    On,
+    Off,
+}
+
+/// Resolves the run (the explicit one, else the ambient one), then takes the
+/// fingerprints with the call's parts (`fingerprints` gives the key's, and what else it
+/// takes: the whole input's, for a call), and makes the key's text.
+fn derive<T>(
+    run: Option<&Run>,
+    tool: &str,
+    telemetry: Telemetry,
+    fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(T, Fingerprint), Error>,
+) -> Result<(Run, T, Key), Error> {
+    let refused = |call_id: Option<&str>, error: &Error| {
+        if telemetry == Telemetry::On {
+            telemetry::rejected(tool, call_id, error);
+        }
+    };
+    let run = match run.cloned().or_else(Run::current) {
+        // A blank id would make every such caller one run.
+        Some(run) if !crate::run::is_blank(run.id()) => run,
+        run => {
+            let error = Error::NoRun {
+                tool: tool.to_owned(),
+                blank_id: run.as_ref().map(|run| run.id().to_owned()),
+            };
+            refused(run.as_ref().and_then(Run::call_id), &error);
+            return Err(error);
+        }
+    };
+    let parts = KeyParts {
+        tenant: run.tenant(),
+        run_id: run.id(),
+        call_id: run.call_id(),
+        tool,
+    };
+    let (other, key_fingerprint) =
+        fingerprints(&parts).inspect_err(|error| refused(run.call_id(), error))?;
+    let key = Key::of(tool, &key_fingerprint);
+    Ok((run, other, key))
 }
 
 #[cfg(test)]
