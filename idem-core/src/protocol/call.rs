@@ -191,7 +191,7 @@ impl Call {
         args: &[&dyn KeyInput],
         key: Option<&[&dyn KeyInput]>,
     ) -> Result<Key, Error> {
-        let (_, _, key) = derive(Some(run), tool, Telemetry::Off, |parts| {
+        let (_, _, key) = derive(Some(run), tool, Refusal::Returned, |parts| {
             of_args(parts, args, key)
         })?;
         Ok(key)
@@ -205,7 +205,7 @@ impl Call {
         options: Options,
         fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(Fingerprint, Fingerprint), Error>,
     ) -> Result<Call, Error> {
-        let (run, fingerprint, key) = derive(run, &tool, Telemetry::On, fingerprints)?;
+        let (run, fingerprint, key) = derive(run, &tool, Refusal::Reported, fingerprints)?;
         Ok(Call {
             tally: Tally::new(&tool, &key, &run),
             key,
@@ -268,12 +268,12 @@ fn of_args(
     Ok((fingerprint, key_fingerprint))
 }
 
-/// Whether [`derive`] reports a call it refuses (a call about to be made), or only
-/// returns the error (a key asked for, no call made).
+/// What [`derive`] does with a call it refuses: reports it (a call about to be made),
+/// or only returns the error (a key asked for, no call made).
 #[derive(Clone, Copy, PartialEq)]
-enum Telemetry {
-    On,
-    Off,
+enum Refusal {
+    Reported,
+    Returned,
 }
 
 /// Resolves the run (the explicit one, else the ambient one), then takes the
@@ -282,11 +282,11 @@ enum Telemetry {
 fn derive<T>(
     run: Option<&Run>,
     tool: &str,
-    telemetry: Telemetry,
+    refusal: Refusal,
     fingerprints: impl FnOnce(&KeyParts<'_>) -> Result<(T, Fingerprint), Error>,
 ) -> Result<(Run, T, Key), Error> {
     let refused = |call_id: Option<&str>, error: &Error| {
-        if telemetry == Telemetry::On {
+        if refusal == Refusal::Reported {
             telemetry::rejected(tool, call_id, error);
         }
     };
