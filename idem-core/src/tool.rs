@@ -70,7 +70,9 @@ use crate::error::Error;
 use crate::key::KeyInput;
 use crate::key_text::Key;
 use crate::options::{OnCancel, Options};
-use crate::protocol::{execute, execute_finishing, from_idem_error, Call, Checked, Compare};
+use crate::protocol::{
+    execute, execute_finishing, from_idem_error, Call, Checked, Compare, Refusal,
+};
 pub use crate::protocol::{CacheErrors, ErrorPolicy, ReleaseErrors};
 use crate::read_back::Equality;
 use crate::reconcile::{reconcile, Reconciled};
@@ -249,7 +251,7 @@ impl<Errors> Tool<Errors> {
     /// Only the key is derived: no call is made, so none is traced or counted (an
     /// input that does not serialize is an `Err` here, not a refused call).
     pub fn key_of<I: Serialize + ?Sized>(&self, run: &Run, input: &I) -> Result<Key, Error> {
-        self.with_args(run, input, false, |args, key| {
+        self.with_args(run, input, Refusal::Returned, |args, key| {
             Call::key_of_args(run, &self.name, args, key)
         })
     }
@@ -316,19 +318,19 @@ impl<Errors> Tool<Errors> {
     /// The call of this tool with `input` in `run`: its key and fingerprint, as the
     /// attribute makes them of a function with one argument.
     fn prepare<I: Serialize + ?Sized>(&self, run: &Run, input: &I) -> Result<Call, Error> {
-        self.with_args(run, input, true, |args, key| {
+        self.with_args(run, input, Refusal::Reported, |args, key| {
             Call::from_args(Some(run), &self.name, self.options, args, key)
         })
     }
 
     /// `make` of this tool's arguments for `input`: the input (and the scope), and the
     /// fields that form the key, if not all of it. An input that does not serialize
-    /// for its key's fields is reported as a refused call if `reported`.
+    /// for its key's fields is refused as `refusal` says.
     fn with_args<I: Serialize + ?Sized, T>(
         &self,
         run: &Run,
         input: &I,
-        reported: bool,
+        refusal: Refusal,
         make: impl FnOnce(&[&dyn KeyInput], Option<&[&dyn KeyInput]>) -> Result<T, Error>,
     ) -> Result<T, Error> {
         let name = &*self.name;
@@ -346,7 +348,7 @@ impl<Errors> Tool<Errors> {
                 tool: name.to_owned(),
                 source,
             };
-            if reported {
+            if refusal == Refusal::Reported {
                 telemetry::rejected(name, run.call_id(), &error);
             }
             error

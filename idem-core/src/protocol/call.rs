@@ -271,7 +271,7 @@ fn of_args(
 /// What [`derive`] does with a call it refuses: reports it (a call about to be made),
 /// or only returns the error (a key asked for, no call made).
 #[derive(Clone, Copy, PartialEq)]
-enum Refusal {
+pub(crate) enum Refusal {
     Reported,
     Returned,
 }

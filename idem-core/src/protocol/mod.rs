@@ -64,6 +64,7 @@ mod finish;
 mod settle;
 mod typed;
 
+pub(crate) use call::Refusal;
 pub use call::{Call, ToolName};
 pub use typed::{
     execute, execute_blocking, execute_finishing, from_idem_error, CacheErrors, Checked, Compare,
