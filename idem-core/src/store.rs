@@ -23,6 +23,8 @@
 //! `testing` feature exports a conformance suite (`idem::store::testing`) that checks
 //! all of the above against any store.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -366,31 +368,62 @@ pub fn is_replayable(record: &Record, fingerprint: &Fingerprint, now: Timestamp)
 /// short texts.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 4 << 20;
 
+/// What an `async fn` of [`Store`] returns once `async_trait` has written it out: the
+/// operation's future, boxed.
+type Boxed<'a, T> = Pin<Box<dyn Future<Output = Result<T, Error>> + Send + 'a>>;
+
+/// A store behind an `Arc` (as a run holds its store: `Arc<dyn Store>`, on which method
+/// calls find this impl first). The four operations of every call hand back the inner
+/// store's own boxed future: written as `async fn`s, each would box a second future
+/// that only awaits the first, an allocation and a layer of polling per operation.
+/// Their signatures are the ones `async_trait` gives the trait's.
 #[async_trait]
 impl<S: Store + ?Sized> Store for Arc<S> {
-    async fn claim(&self, key: &Key, request: &ClaimRequest) -> Result<Claim, Error> {
-        (**self).claim(key, request).await
+    fn claim<'s, 'k, 'r, 'f>(&'s self, key: &'k Key, request: &'r ClaimRequest) -> Boxed<'f, Claim>
+    where
+        's: 'f,
+        'k: 'f,
+        'r: 'f,
+        Self: 'f,
+    {
+        (**self).claim(key, request)
     }
-    async fn complete(
-        &self,
-        key: &Key,
+    fn complete<'s, 'k, 'o, 'f>(
+        &'s self,
+        key: &'k Key,
         token: Token,
-        outcome: Outcome<'_>,
+        outcome: Outcome<'o>,
         ttl: Duration,
-    ) -> Result<Fenced, Error> {
-        (**self).complete(key, token, outcome, ttl).await
+    ) -> Boxed<'f, Fenced>
+    where
+        's: 'f,
+        'k: 'f,
+        'o: 'f,
+        Self: 'f,
+    {
+        (**self).complete(key, token, outcome, ttl)
     }
-    async fn release(&self, key: &Key, token: Token) -> Result<Fenced, Error> {
-        (**self).release(key, token).await
+    fn release<'s, 'k, 'f>(&'s self, key: &'k Key, token: Token) -> Boxed<'f, Fenced>
+    where
+        's: 'f,
+        'k: 'f,
+        Self: 'f,
+    {
+        (**self).release(key, token)
     }
-    async fn renew(
-        &self,
-        key: &Key,
+    fn renew<'s, 'k, 'f>(
+        &'s self,
+        key: &'k Key,
         token: Token,
         lease: Duration,
         ttl: Duration,
-    ) -> Result<Fenced, Error> {
-        (**self).renew(key, token, lease, ttl).await
+    ) -> Boxed<'f, Fenced>
+    where
+        's: 'f,
+        'k: 'f,
+        Self: 'f,
+    {
+        (**self).renew(key, token, lease, ttl)
     }
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
         (**self).get(key).await
