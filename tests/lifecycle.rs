@@ -1173,6 +1173,107 @@ async fn a_store_that_panics_in_a_renewal_does_not_stop_the_heartbeat() {
     claim_is_held_throughout(&self::run()).await;
 }
 
+/// A store whose `claim` and `complete` are written by hand, as `async_trait` writes an
+/// `async fn` out, and which panic before they return their future while told to.
+#[derive(Default)]
+struct PanicsEagerly {
+    inner: MemoryStore,
+    claim_panics: std::sync::atomic::AtomicBool,
+    complete_panics: std::sync::atomic::AtomicBool,
+}
+
+/// What a hand-written `Store` method returns.
+type StoreFuture<'a, T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, Error>> + Send + 'a>>;
+
+#[async_trait::async_trait]
+impl idem::Store for PanicsEagerly {
+    fn claim<'s, 'k, 'r, 'f>(
+        &'s self,
+        key: &'k idem::Key,
+        request: &'r idem::store::ClaimRequest,
+    ) -> StoreFuture<'f, idem::store::Claim>
+    where
+        's: 'f,
+        'k: 'f,
+        'r: 'f,
+        Self: 'f,
+    {
+        if self.claim_panics.swap(false, Ordering::SeqCst) {
+            panic!("the claim panicked before it made its future");
+        }
+        self.inner.claim(key, request)
+    }
+    fn complete<'s, 'k, 'o, 'f>(
+        &'s self,
+        key: &'k idem::Key,
+        token: idem::store::Token,
+        outcome: idem::store::Outcome<'o>,
+        ttl: Duration,
+    ) -> StoreFuture<'f, idem::store::Fenced>
+    where
+        's: 'f,
+        'k: 'f,
+        'o: 'f,
+        Self: 'f,
+    {
+        if self.complete_panics.swap(false, Ordering::SeqCst) {
+            panic!("the completion panicked before it made its future");
+        }
+        self.inner.complete(key, token, outcome, ttl)
+    }
+    async fn release(
+        &self,
+        key: &idem::Key,
+        token: idem::store::Token,
+    ) -> Result<idem::store::Fenced, Error> {
+        self.inner.release(key, token).await
+    }
+    async fn renew(
+        &self,
+        key: &idem::Key,
+        token: idem::store::Token,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<idem::store::Fenced, Error> {
+        self.inner.renew(key, token, lease, ttl).await
+    }
+    async fn get(&self, key: &idem::Key) -> Result<Option<idem::store::Record>, Error> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &idem::Key) -> Result<bool, Error> {
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        self.inner.purge_expired().await
+    }
+}
+
+/// A run reaches its store through `Arc<dyn Store>`, whose impl hands each call straight
+/// to the store's method: a panic there, before any future exists, is still the store's
+/// failure, caught as one in the store's own code would be.
+#[tokio::test]
+async fn a_store_that_panics_before_its_future_is_made_fails_as_a_store() {
+    let store = Arc::new(PanicsEagerly::default());
+    let run = Run::new("eager-panics").with_shared_store(store.clone());
+    let provider = Provider::default();
+    let email = |to: &str| send_email(provider.clone(), to.to_owned(), Duration::ZERO);
+
+    store.claim_panics.store(true, Ordering::SeqCst);
+    let refused = run.scope(email("ada")).await;
+    assert!(
+        matches!(&refused, Err(Error::Store { .. }) if refused.as_ref().unwrap_err().to_string().contains("panicked in claim")),
+        "{refused:?}"
+    );
+    assert_eq!(provider.delivered(), 0, "the body ran without a claim");
+
+    // After the body ran: the caller gets its value, and a retry replays it.
+    store.complete_panics.store(true, Ordering::SeqCst);
+    assert_eq!(run.scope(email("bob")).await.unwrap(), "msg-1");
+    assert_eq!(run.scope(email("bob")).await.unwrap(), "msg-1");
+    assert_eq!(provider.delivered(), 1);
+}
+
 #[tokio::test]
 async fn a_call_lets_go_of_its_store_when_it_ends() {
     let store: Arc<dyn idem::Store> = Arc::new(MemoryStore::new());

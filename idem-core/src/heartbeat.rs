@@ -394,10 +394,12 @@ impl Periodic for Entry {
         let next = self.next(now);
         let entry = Arc::clone(&self);
         let renewal = async move {
-            let renewing = entry
-                .store
-                .renew(&entry.key, entry.token, entry.lease, entry.ttl);
-            let renewed = store_op(entry.store.name(), "renew", renewing).await;
+            let renewed = store_op(entry.store.name(), "renew", || {
+                entry
+                    .store
+                    .renew(&entry.key, entry.token, entry.lease, entry.ttl)
+            })
+            .await;
             // Landed after the call began to settle its claim: it may have revived it.
             let revived = matches!(renewed, Ok(Fenced::Applied))
                 && entry.settling.load(AtomicOrdering::SeqCst);
@@ -471,10 +473,11 @@ impl Entry {
     /// (a zero lease, fenced by the token: on a claim the call released, or has yet to
     /// settle, it changes nothing the settling does not change too).
     async fn give_up_again(&self) {
-        let giving_up = self
-            .store
-            .renew(&self.key, self.token, Duration::ZERO, self.ttl);
-        let given_up = store_op(self.store.name(), "renew", giving_up).await;
+        let given_up = store_op(self.store.name(), "renew", || {
+            self.store
+                .renew(&self.key, self.token, Duration::ZERO, self.ttl)
+        })
+        .await;
         tracing::debug!(tool = %self.tool, key = %self.key, ?given_up, "idem: a renewal landed after its call settled the claim; the claim is given up again");
         crate::wait::notify(&self.key);
     }

@@ -120,7 +120,7 @@ async fn abandoned(call: &Result<Call, Error>) -> Option<Abandoned> {
     let started = Instant::now();
     let max_wait = call.options().max_wait();
     loop {
-        let read = store_op(store.name(), "get", store.get(&key)).await;
+        let read = store_op(store.name(), "get", || store.get(&key)).await;
         let record = match read {
             Ok(Some(record)) => record,
             Ok(None) => return None,
@@ -323,11 +323,9 @@ async fn resolve_abandoned(
         ),
         Answer::NeverHappened => (Resolution::Released, "it never happened; running it now"),
     };
-    match store_op(
-        store.name(),
-        "resolve",
-        store.resolve(&key, token, resolution),
-    )
+    match store_op(store.name(), "resolve", || {
+        store.resolve(&key, token, resolution)
+    })
     .await
     {
         Ok(Fenced::Applied) => log(&|| tracing::info!(%key, "idem: reconciled: {what}")),

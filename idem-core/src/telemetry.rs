@@ -580,29 +580,42 @@ pub(crate) fn rejected(tool: &str, call_id: Option<&str>, error: &Error) {
     );
 }
 
-/// A store operation: a panic in the store's code is the store's failure
-/// ([`Error::Store`]), never the caller's panic (a store that panics while recording a
-/// body's outcome must not make its caller, and then a retry, run the body again).
+/// A store operation, made by `make` and awaited: a panic in the store's code is the
+/// store's failure ([`Error::Store`]), never the caller's panic (a store that panics
+/// while recording a body's outcome must not make its caller, and then a retry, run the
+/// body again). The operation is made here, inside the same guard as its polls: a
+/// store method written by hand rather than as an `async fn` may do work, and panic,
+/// before it returns its future (and `Store for Arc<S>` hands that call straight on).
 /// Timed for the `idem_store_operation_duration_seconds` histogram when the `metrics`
 /// feature is on.
-pub(crate) async fn store_op<T>(
+pub(crate) async fn store_op<T, F: Future<Output = Result<T, Error>>>(
     store: &'static str,
     name: &'static str,
-    operation: impl Future<Output = Result<T, Error>>,
+    make: impl FnOnce() -> F,
 ) -> Result<T, Error> {
     #[cfg(feature = "metrics")]
     let started = std::time::Instant::now();
-    let mut operation = std::pin::pin!(operation);
+    let mut make = Some(make);
+    let mut operation = std::pin::pin!(None::<F>);
+    let panicked = || {
+        tracing::error!(store, operation = name, "idem: the store panicked");
+        Err(Error::store(store, format!("the store panicked in {name}")))
+    };
     let output = std::future::poll_fn(|cx| {
-        let polled =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| operation.as_mut().poll(cx)));
-        polled.unwrap_or_else(|_| {
-            tracing::error!(store, operation = name, "idem: the store panicked");
-            std::task::Poll::Ready(Err(Error::store(
-                store,
-                format!("the store panicked in {name}"),
-            )))
-        })
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if let Some(make) = make.take() {
+                operation.set(Some(make()));
+            }
+            // `None` only if making it panicked, which ended the operation already.
+            operation
+                .as_mut()
+                .as_pin_mut()
+                .map(|operation| operation.poll(cx))
+        }));
+        match polled {
+            Ok(Some(polled)) => polled,
+            Ok(None) | Err(_) => std::task::Poll::Ready(panicked()),
+        }
     })
     .await;
     #[cfg(feature = "metrics")]

@@ -311,7 +311,7 @@ type ClaimFuture = Pin<Box<dyn Future<Output = Result<Claim, Error>> + Send>>;
 
 fn claim_owned(store: &Arc<dyn Store>, key: &Key, request: ClaimRequest) -> ClaimFuture {
     let (store, key) = (Arc::clone(store), key.clone());
-    Box::pin(async move { store_op(store.name(), "claim", store.claim(&key, &request)).await })
+    Box::pin(async move { store_op(store.name(), "claim", || store.claim(&key, &request)).await })
 }
 
 /// A claim request under way; dropped before its answer, it finishes in the

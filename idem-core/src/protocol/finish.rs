@@ -524,11 +524,9 @@ async fn finish(call: &Call, mut guard: Settle<'_>, prepared: Prepared) -> Resul
     // no-op if the completion landed). Its renewals go on meanwhile: a slow completion
     // must not let the lease run out under it.
     guard.beat().body_ended();
-    let completed = store_op(
-        store.name(),
-        "complete",
-        store.complete(key, guard.token, outcome(&bytes, failed), call.options.ttl),
-    )
+    let completed = store_op(store.name(), "complete", || {
+        store.complete(key, guard.token, outcome(&bytes, failed), call.options.ttl)
+    })
     .await;
     match completed {
         Ok(Fenced::Applied) => {
@@ -678,8 +676,8 @@ impl Late {
         } = &self.claim;
         for delay in RECORD_AGAIN {
             crate::timer::sleep_until(Instant::now() + delay).await;
-            let outcome = outcome(&self.bytes, self.failed);
-            let completing = store.complete(key, *token, outcome, options.ttl);
+            let completing =
+                || store.complete(key, *token, outcome(&self.bytes, self.failed), options.ttl);
             match store_op(store.name(), "complete", completing).await {
                 Ok(Fenced::Applied) => {
                     tracing::info!(%tool, %key, "idem: an outcome the store failed to take is now recorded");

@@ -235,9 +235,9 @@ pub(super) async fn settle_unfinished(
     let mut again = SETTLE_AGAIN.iter();
     let settled = loop {
         let settled = if release {
-            store_op(store.name(), "release", store.release(key, token)).await
+            store_op(store.name(), "release", || store.release(key, token)).await
         } else {
-            let renewing = store.renew(key, token, Duration::ZERO, options.ttl);
+            let renewing = || store.renew(key, token, Duration::ZERO, options.ttl);
             store_op(store.name(), "renew", renewing).await
         };
         match (settled, again.next()) {
@@ -267,7 +267,7 @@ pub(super) async fn settle_unfinished(
 /// runs the body again). Called boxed, off the miss's future.
 pub(super) async fn lost_lease(call: &Call, store: &dyn Store) -> Error {
     let key = &call.key;
-    let lost_to = match store_op(store.name(), "get", store.get(key)).await {
+    let lost_to = match store_op(store.name(), "get", || store.get(key)).await {
         Ok(Some(_)) => LostTo::AnotherCall,
         Ok(None) => LostTo::Removal,
         Err(_) => LostTo::Unknown,
