@@ -1262,7 +1262,7 @@ async fn a_store_that_panics_before_its_future_is_made_fails_as_a_store() {
     store.claim_panics.store(true, Ordering::SeqCst);
     let refused = run.scope(email("ada")).await;
     assert!(
-        matches!(&refused, Err(Error::Store { .. }) if refused.as_ref().unwrap_err().to_string().contains("panicked in claim")),
+        matches!(&refused, Err(e @ Error::Store { .. }) if e.to_string().contains("panicked in claim")),
         "{refused:?}"
     );
     assert_eq!(provider.delivered(), 0, "the body ran without a claim");
