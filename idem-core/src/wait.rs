@@ -11,11 +11,15 @@ use event_listener::{Event, EventListener, Listener};
 use crate::key_text::Key;
 
 /// Keys some call in this process is waiting on, each with the event its owner fires.
-static WAITERS: Mutex<Option<HashMap<Key, Arc<Event>>>> = Mutex::new(None);
+/// Keys end in a SHA-256 digest, so a fast hasher spreads them (no SipHash on every
+/// completion).
+type Waiters = HashMap<Key, Arc<Event>, foldhash::fast::RandomState>;
 
-fn with_waiters<T>(f: impl FnOnce(&mut HashMap<Key, Arc<Event>>) -> T) -> T {
+static WAITERS: Mutex<Option<Waiters>> = Mutex::new(None);
+
+fn with_waiters<T>(f: impl FnOnce(&mut Waiters) -> T) -> T {
     let mut guard = crate::sync::lock(&WAITERS);
-    f(guard.get_or_insert_with(HashMap::new))
+    f(guard.get_or_insert_with(Waiters::default))
 }
 
 /// Starts listening for the owner of `key` (in this process) to finish.
@@ -52,9 +56,14 @@ impl Drop for Waiting<'_> {
     }
 }
 
-/// Wakes every call in this process waiting on `key`.
+/// Wakes every call in this process waiting on `key`. Every completion calls this,
+/// and nobody waits on most keys: an empty table is not hashed into.
 pub(crate) fn notify(key: &Key) {
-    if let Some(event) = with_waiters(|map| map.remove(key)) {
+    let waiting = with_waiters(|map| match map.is_empty() {
+        true => None,
+        false => map.remove(key),
+    });
+    if let Some(event) = waiting {
         event.notify(usize::MAX);
     }
 }
