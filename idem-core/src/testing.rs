@@ -1226,19 +1226,25 @@ fn run_on(store: &Arc<dyn Store>, check: &str) -> Run {
     Run::new(unique_key(check).to_string()).with_shared_store(store.clone())
 }
 
-/// A call whose body runs four times its lease keeps its claim throughout: fail-fast
-/// duplicates get `InProgress`, the body runs once, and its caller gets its value.
+/// A call whose body runs past its lease (until three fail-fast duplicates, a lease
+/// apart, have had their answers) keeps its claim throughout: the duplicates get
+/// `InProgress`, the body runs once, and its caller gets its value.
 pub async fn a_live_body_keeps_its_claim_past_its_lease(store: Arc<dyn Store>) {
     let name = "a_live_body_keeps_its_claim_past_its_lease";
     let run = run_on(&store, name);
     let options = Options::new().lease(SHORT);
     let runs = Arc::new(AtomicUsize::new(0));
+    // The body runs until the duplicates have had their answers (three leases at
+    // least), so that each of them comes while it runs, however slow the machine; a
+    // body that never hears so (a duplicate that ran it again) ends after eight.
+    let answered = Arc::new(tokio::sync::Notify::new());
     let call = |options: Options, runs: Arc<AtomicUsize>| {
+        let answered = Arc::clone(&answered);
         execute::<Result<String, Error>, ReleaseErrors, _>(
             Call::new(Some(&run), "conformance_slow", options, &"input"),
             async move {
                 let n = runs.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(SHORT * 4).await;
+                let _ = tokio::time::timeout(SHORT * 8, answered.notified()).await;
                 Ok(format!("value-{n}"))
             },
         )
@@ -1250,6 +1256,7 @@ pub async fn a_live_body_keeps_its_claim_past_its_lease(store: Arc<dyn Store>) {
             tokio::time::sleep(SHORT).await;
             answers.push(call(options.fail_fast(), runs.clone()).await);
         }
+        answered.notify_one();
         answers
     };
     let (owner, duplicates) = tokio::join!(owner, duplicates);
