@@ -7,6 +7,7 @@
 //!     cargo run --release --features postgres,redis --example throughput
 //! cargo run --release --features sqlite --example throughput -- --only sqlite
 //! cargo run --release --example throughput -- --seconds 5   # longer cells
+//! cargo run --release --example throughput -- --rounds 5    # each pair 5 times
 //! cargo run --release --features postgres,redis --example throughput -- --only postgres
 //! ```
 //!
@@ -42,7 +43,11 @@
 //!
 //! The input is the bench example's 513-byte email and the result its 114-byte message
 //! id. It prints calls per second, the median and the 99th percentile latency, and
-//! idem's throughput over the floor's, each pair measured one after the other.
+//! idem's throughput over the floor's, each pair measured one after the other. On a
+//! machine whose speed wanders (a shared host), one pair's ratio can move by a third
+//! from one run to the next: `--rounds N` measures each pair N times, idem and the
+//! floor taking turns to go first, and shows the round whose ratio is the median,
+//! with the range of all N.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -73,6 +78,14 @@ struct Measured {
     p99: Duration,
     /// CPU time per call of this process and of the server's processes, where known.
     cpu: Option<(Duration, Duration)>,
+}
+
+/// How each cell is measured: for `time`, `rounds` times over, idem's and its floor's
+/// runs alternating which goes first.
+#[derive(Clone, Copy)]
+struct Cells {
+    time: Duration,
+    rounds: usize,
 }
 
 /// The CPU time (in nanoseconds) spent so far by this process (its `/proc/self/stat`,
@@ -170,18 +183,45 @@ where
     }
 }
 
-/// One row: idem's cell, then its floor's.
+/// One row: idem's cell and its floor's, from the round whose ratio is the median, and
+/// the ratio of every round.
 struct Row {
     store: &'static str,
     kind: &'static str,
     tasks: usize,
     idem: Measured,
     floor: Measured,
+    ratios: Vec<f64>,
+}
+
+impl Row {
+    /// The row of `rounds` pairs (idem's cell, its floor's): the median round's.
+    fn of(
+        store: &'static str,
+        kind: &'static str,
+        tasks: usize,
+        rounds: Vec<(Measured, Measured)>,
+    ) -> Row {
+        let ratio = |(idem, floor): &(Measured, Measured)| idem.per_second / floor.per_second;
+        let mut rounds: Vec<_> = rounds.into_iter().map(|r| (ratio(&r), r)).collect();
+        rounds.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+        let ratios = rounds.iter().map(|(ratio, _)| *ratio).collect();
+        let (_, (idem, floor)) = rounds.swap_remove(rounds.len() / 2);
+        Row {
+            store,
+            kind,
+            tasks,
+            idem,
+            floor,
+            ratios,
+        }
+    }
 }
 
 fn print(rows: &[Row]) {
+    let rounds = rows.iter().map(|row| row.ratios.len()).max().unwrap_or(1);
     println!(
-        "{:<9} {:<5} {:>5} | {:>8} {:>8} {:>8} {:>11} | {:>8} {:>8} {:>8} {:>11} | {:>6}",
+        "{:<9} {:<5} {:>5} | {:>8} {:>8} {:>8} {:>11} | {:>8} {:>8} {:>8} {:>11} | {:>6}{}",
         "store",
         "call",
         "tasks",
@@ -193,7 +233,8 @@ fn print(rows: &[Row]) {
         "p50",
         "p99",
         "CPU c+s",
-        "ratio"
+        "ratio",
+        if rounds > 1 { "  of rounds" } else { "" },
     );
     let us = |d: Duration| format!("{:.0} µs", d.as_secs_f64() * 1e6);
     let cpu = |m: &Measured| match m.cpu {
@@ -205,8 +246,13 @@ fn print(rows: &[Row]) {
         None => "-".to_owned(),
     };
     for row in rows {
+        let range = match row.ratios.as_slice() {
+            [] | [_] => String::new(),
+            [low, .., high] => format!("  {low:.2}–{high:.2}x"),
+        };
+        let median = row.ratios.get(row.ratios.len() / 2).copied();
         println!(
-            "{:<9} {:<5} {:>5} | {:>8.0} {:>8} {:>8} {:>11} | {:>8.0} {:>8} {:>8} {:>11} | {:>5.2}x",
+            "{:<9} {:<5} {:>5} | {:>8.0} {:>8} {:>8} {:>11} | {:>8.0} {:>8} {:>8} {:>11} | {:>5.2}x{range}",
             row.store,
             row.kind,
             row.tasks,
@@ -218,19 +264,19 @@ fn print(rows: &[Row]) {
             us(row.floor.p50),
             us(row.floor.p99),
             cpu(&row.floor),
-            row.idem.per_second / row.floor.per_second,
+            median.unwrap_or(f64::NAN),
         );
     }
 }
 
-/// The idem cells of `store` (hit and miss, every concurrency), each followed by its
-/// floor's, whose calls `floor(hit, n)` makes.
+/// The idem cells of `store` (hit and miss, every concurrency), each beside its
+/// floor's, whose calls `floor(hit, n)` makes; each pair `cells.rounds` times.
 async fn rows<F, Fut>(
     rows: &mut Vec<Row>,
     store: &'static str,
     server: Option<&'static str>,
     make_run: impl Fn(&str) -> Run,
-    time: Duration,
+    cells: Cells,
     floor: F,
 ) where
     F: Fn(bool, u64) -> Fut + Send + Sync + Clone + 'static,
@@ -238,30 +284,39 @@ async fn rows<F, Fut>(
 {
     for (kind, hit) in [("hit", true), ("miss", false)] {
         for tasks in TASKS {
-            eprintln!("{store}: {kind}, {tasks} tasks");
             let run = make_run(&format!("throughput-{store}-{kind}-{tasks}"));
-            let idem = drive(tasks, time, server, move |task| {
+            let idem = || {
+                eprintln!("{store}: {kind}, {tasks} tasks");
                 let run = run.clone();
-                async move {
+                drive(tasks, cells.time, server, move |task| {
+                    let run = run.clone();
+                    async move {
+                        let n = if hit { HITS + task } else { next() };
+                        send_email(&run, &email(n, BODY)).await.unwrap();
+                    }
+                })
+            };
+            let floor = || {
+                eprintln!("{store}: {kind}, {tasks} tasks, the floor");
+                let floor = floor.clone();
+                drive(tasks, cells.time, server, move |task| {
                     let n = if hit { HITS + task } else { next() };
-                    send_email(&run, &email(n, BODY)).await.unwrap();
-                }
-            })
-            .await;
-            eprintln!("{store}: {kind}, {tasks} tasks, the floor");
-            let floor = floor.clone();
-            let floor = drive(tasks, time, server, move |task| {
-                let n = if hit { HITS + task } else { next() };
-                floor(hit, n)
-            })
-            .await;
-            rows.push(Row {
-                store,
-                kind,
-                tasks,
-                idem,
-                floor,
-            });
+                    floor(hit, n)
+                })
+            };
+            let mut pairs = Vec::new();
+            for round in 0..cells.rounds {
+                // Every other round the floor goes first: a machine that speeds up or
+                // slows down over a pair then favours neither side.
+                pairs.push(match round % 2 {
+                    0 => (idem().await, floor().await),
+                    _ => {
+                        let floor = floor().await;
+                        (idem().await, floor)
+                    }
+                });
+            }
+            rows.push(Row::of(store, kind, tasks, pairs));
         }
     }
 }
@@ -280,7 +335,10 @@ impl Only {
 fn main() {
     #[cfg(feature = "sqlite")]
     sqlite::child_if_asked();
-    let mut time = Duration::from_secs(2);
+    let mut cells = Cells {
+        time: Duration::from_secs(2),
+        rounds: 1,
+    };
     let mut only = Only(None);
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -290,7 +348,14 @@ fn main() {
                     .next()
                     .and_then(|s| s.parse().ok())
                     .expect("--seconds takes a number");
-                time = Duration::from_secs_f64(seconds);
+                cells.time = Duration::from_secs_f64(seconds);
+            }
+            "--rounds" => {
+                cells.rounds = args
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .filter(|&rounds| rounds > 0)
+                    .expect("--rounds takes a count of at least 1");
             }
             "--only" => {
                 let stores = args
@@ -298,7 +363,9 @@ fn main() {
                     .expect("--only takes stores: memory,sled,sqlite,postgres,redis");
                 only = Only(Some(stores.split(',').map(str::to_owned).collect()));
             }
-            other => panic!("unknown argument {other}; expected --seconds N, --only STORES"),
+            other => {
+                panic!("unknown argument {other}; expected --seconds N, --rounds N, --only STORES")
+            }
         }
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -306,46 +373,53 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    runtime.block_on(measure(time, only));
+    runtime.block_on(measure(cells, only));
 }
 
-async fn measure(time: Duration, only: Only) {
+async fn measure(cells: Cells, only: Only) {
     let started = Instant::now();
     let mut table = Vec::new();
     if only.has("memory") {
-        memory(&mut table, time).await;
+        memory(&mut table, cells).await;
     }
     if only.has("sled") {
-        sled(&mut table, time).await;
+        sled(&mut table, cells).await;
     }
     #[cfg(feature = "sqlite")]
     if only.has("sqlite") {
-        sqlite::rows(&mut table, time).await;
+        sqlite::rows(&mut table, cells).await;
     }
     #[cfg(feature = "postgres")]
     if only.has("postgres") {
         match std::env::var("IDEM_POSTGRES_URL") {
-            Ok(url) => postgres(&mut table, time, &url).await,
+            Ok(url) => postgres(&mut table, cells, &url).await,
             Err(_) => eprintln!("IDEM_POSTGRES_URL is not set: no Postgres rows"),
         }
     }
     #[cfg(feature = "redis")]
     if only.has("redis") {
         match std::env::var("IDEM_REDIS_URL") {
-            Ok(url) => redis(&mut table, time, &url).await,
+            Ok(url) => redis(&mut table, cells, &url).await,
             Err(_) => eprintln!("IDEM_REDIS_URL is not set: no Redis rows"),
         }
     }
+    let rounds = match cells.rounds {
+        1 => String::new(),
+        n => format!(
+            "; each pair {n} times, idem and the floor taking turns to go first, the median \
+             round shown (its ratio the median) beside the range of the rounds' ratios"
+        ),
+    };
     println!(
-        "calls per second, median and 99th percentile latency, {} s a cell, tokio with 2 workers\n",
-        time.as_secs_f64()
+        "calls per second, median and 99th percentile latency, {} s a cell, tokio with 2 workers{rounds}\n",
+        cells.time.as_secs_f64()
     );
     print(&table);
     println!("\n(whole run: {:.1} s)", started.elapsed().as_secs_f64());
 }
 
 /// The memory store, and a map behind a mutex.
-async fn memory(table: &mut Vec<Row>, time: Duration) {
+async fn memory(table: &mut Vec<Row>, cells: Cells) {
     let memory = MemoryStore::new();
     let map = Arc::new(Mutex::new(HashMap::<[u8; 64], Vec<u8>>::new()));
     let floor = move |hit, n| {
@@ -367,11 +441,11 @@ async fn memory(table: &mut Vec<Row>, time: Duration) {
         }
     };
     let run = |id: &str| Run::new(id).with_store(memory.clone());
-    rows(table, "memory", None, run, time, floor).await;
+    rows(table, "memory", None, run, cells, floor).await;
 }
 
 /// The sled store, and a sled database of its own.
-async fn sled(table: &mut Vec<Row>, time: Duration) {
+async fn sled(table: &mut Vec<Row>, cells: Cells) {
     let dir = tempfile::tempdir().unwrap();
     let store = SledStore::open(dir.path().join("idem")).unwrap();
     let raw = sled::open(dir.path().join("floor")).unwrap();
@@ -399,12 +473,12 @@ async fn sled(table: &mut Vec<Row>, time: Duration) {
         }
     };
     let run = |id: &str| Run::new(id).with_store(store.clone());
-    rows(table, "sled", None, run, time, floor).await;
+    rows(table, "sled", None, run, cells, floor).await;
 }
 
 /// The Postgres store with a table of its own, and the floor's table on its pool.
 #[cfg(feature = "postgres")]
-async fn postgres(table: &mut Vec<Row>, time: Duration, url: &str) {
+async fn postgres(table: &mut Vec<Row>, cells: Cells, url: &str) {
     let table_name = format!("idem_throughput_{}", std::process::id());
     let (run, floor) = idem_testkit::scenario::postgres_run(url, &table_name).await;
     let store = run.store().unwrap();
@@ -422,13 +496,13 @@ async fn postgres(table: &mut Vec<Row>, time: Duration, url: &str) {
         }
     };
     let run = |id: &str| Run::new(id).with_shared_store(Arc::clone(&store));
-    rows(table, "postgres", Some("postgres"), run, time, floor_call).await;
+    rows(table, "postgres", Some("postgres"), run, cells, floor_call).await;
     floor.drop_tables(&table_name).await;
 }
 
 /// The Redis store under a prefix of its own, and the floor on a connection of its own.
 #[cfg(feature = "redis")]
-async fn redis(table: &mut Vec<Row>, time: Duration, url: &str) {
+async fn redis(table: &mut Vec<Row>, cells: Cells, url: &str) {
     let prefix = format!("idem-throughput-{}:", std::process::id());
     let store = idem_testkit::scenario::redis_run(url, &prefix, false)
         .await
@@ -447,7 +521,7 @@ async fn redis(table: &mut Vec<Row>, time: Duration, url: &str) {
         }
     };
     let run = |id: &str| Run::new(id).with_shared_store(Arc::clone(&store));
-    rows(table, "redis", Some("redis-server"), run, time, floor_call).await;
+    rows(table, "redis", Some("redis-server"), run, cells, floor_call).await;
     floor.clean(&prefix).await;
 }
 
@@ -526,7 +600,7 @@ mod sqlite {
         }
     }
 
-    pub async fn rows(table: &mut Vec<Row>, time: Duration) {
+    pub async fn rows(table: &mut Vec<Row>, cells: Cells) {
         let dir = tempfile::tempdir().unwrap();
         let store_path = dir.path().join("idem.sqlite");
         let store = idem::SqliteStore::open(&store_path).unwrap();
@@ -536,20 +610,18 @@ mod sqlite {
             async move { floor.call(hit, n).await }
         };
         let run = |id: &str| Run::new(id).with_store(store.clone());
-        super::rows(table, "sqlite", None, run, time, call).await;
+        super::rows(table, "sqlite", None, run, cells, call).await;
 
         // 64 tasks of misses in 4 processes on one file.
         eprintln!("sqlite: miss, 64 tasks in {PROCESSES} processes, and the floor");
         let floor_path = dir.path().join("floor.sqlite");
-        let idem = processes(&store_path, "idem", time);
-        let floor = processes(&floor_path, "floor", time);
-        table.push(Row {
-            store: "sqlite 4p",
-            kind: "miss",
-            tasks: 64,
-            idem,
-            floor,
-        });
+        let pairs = (0..cells.rounds)
+            .map(|_| {
+                let idem = processes(&store_path, "idem", cells.time);
+                (idem, processes(&floor_path, "floor", cells.time))
+            })
+            .collect();
+        table.push(Row::of("sqlite 4p", "miss", 64, pairs));
     }
 
     /// Runs `kind`'s misses from [`PROCESSES`] processes of 16 tasks at once; their
