@@ -7,6 +7,7 @@
 //! IDEM_REDIS_URL=redis://127.0.0.1:6379 IDEM_POSTGRES_URL=postgres://root@127.0.0.1/test \
 //!     cargo run --release --features postgres,redis --example bench
 //! cargo run --release --features metrics --example bench   # + the cost of observing
+//! cargo run --release --example bench -- --rounds 5         # each pair five times
 //! ```
 //!
 //! Every figure is measured in this one run, and each compared pair side by side, so
@@ -15,9 +16,15 @@
 //! single operations (a pair's operations alternate one by one). The input is a
 //! 513-byte email and the result a 114-byte message id, as JSON. Takes under a minute
 //! (most of it filling two sled trees with 10⁶ records).
+//!
+//! One pair's ratio moves from run to run as much as the machine does. With
+//! `--rounds N` each pair is measured N times, idem and its floor taking turns to go
+//! first, and its row shows the round whose ratio is the median beside the range of
+//! the N ratios.
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idem::{MemoryStore, Run, SledStore};
@@ -48,19 +55,59 @@ fn median(n: usize, mut op: impl FnMut(u64)) -> Duration {
 /// of `BATCHES` rounds runs a batch of `a`, then a batch of `b`. A machine that speeds
 /// up or slows down during the run moves both alike, so their ratio holds. The local
 /// rows use it (their operations take microseconds, too short to time one by one);
-/// the network rows use `network::paired`.
+/// the network rows use `network::paired`. Measured [`rounds`] times, `b` going first
+/// in every other round.
 async fn compare<F: Future, G: Future>(
     n: usize,
     mut a: impl FnMut(u64) -> F,
     mut b: impl FnMut(u64) -> G,
-) -> (Duration, Duration) {
+) -> Pair {
     let (mut i, mut j) = (0u64, 0u64);
-    let (mut ta, mut tb) = (Vec::new(), Vec::new());
-    for _ in 0..BATCHES {
-        ta.push(batch(n, &mut i, &mut a).await);
-        tb.push(batch(n, &mut j, &mut b).await);
+    let mut measured = Vec::new();
+    for round in 0..rounds() {
+        let (mut ta, mut tb) = (Vec::new(), Vec::new());
+        for _ in 0..BATCHES {
+            if round % 2 == 0 {
+                ta.push(batch(n, &mut i, &mut a).await);
+                tb.push(batch(n, &mut j, &mut b).await);
+            } else {
+                tb.push(batch(n, &mut j, &mut b).await);
+                ta.push(batch(n, &mut i, &mut a).await);
+            }
+        }
+        measured.push((middle(ta), middle(tb)));
     }
-    (middle(ta), middle(tb))
+    Pair::of(measured)
+}
+
+/// How many times each compared pair is measured: `--rounds N`, 1 by default.
+static ROUNDS: AtomicUsize = AtomicUsize::new(1);
+
+fn rounds() -> usize {
+    ROUNDS.load(Ordering::Relaxed)
+}
+
+/// A compared pair: `a` and `b` (what `a` is compared with) as the round whose ratio
+/// `a / b` is the median of the rounds measured them (the upper middle of an even
+/// count), and every round's ratio, sorted.
+struct Pair {
+    a: Duration,
+    b: Duration,
+    ratios: Vec<f64>,
+}
+
+impl Pair {
+    /// The pair from its rounds' `(a, b)`.
+    fn of(mut rounds: Vec<(Duration, Duration)>) -> Pair {
+        let ratio = |(a, b): &(Duration, Duration)| a.as_secs_f64() / b.as_secs_f64();
+        rounds.sort_by(|x, y| ratio(x).total_cmp(&ratio(y)));
+        let (a, b) = rounds[rounds.len() / 2];
+        Pair {
+            a,
+            b,
+            ratios: rounds.iter().map(ratio).collect(),
+        }
+    }
 }
 
 /// Time per call of `calls` misses made by `tasks` concurrent tasks, each on a new
@@ -127,15 +174,38 @@ fn middle(mut times: Vec<Duration>) -> Duration {
     times[times.len() / 2]
 }
 
-/// A row: what, its median, and what it is compared with.
-type Row = (String, Duration, Option<(String, Duration)>);
+/// A row: what, its median, what it is compared with, and the range of the ratios
+/// of the rounds that measured the pair (with `--rounds` over 1).
+struct Row {
+    what: String,
+    value: Duration,
+    floor: Option<(String, Duration)>,
+    range: Option<(f64, f64)>,
+}
 
 struct Table(Vec<Row>);
 
 impl Table {
     fn row(&mut self, what: &str, value: Duration, floor: Option<(&str, Duration)>) {
-        self.0
-            .push((what.into(), value, floor.map(|(w, d)| (w.into(), d))));
+        self.0.push(Row {
+            what: what.into(),
+            value,
+            floor: floor.map(|(w, d)| (w.into(), d)),
+            range: None,
+        });
+    }
+
+    /// A compared pair's row: its median round, and the range of its rounds' ratios.
+    fn pair(&mut self, what: &str, pair: &Pair, compared_with: &str) {
+        self.0.push(Row {
+            what: what.into(),
+            value: pair.a,
+            floor: Some((compared_with.into(), pair.b)),
+            range: match pair.ratios.as_slice() {
+                [first, .., last] => Some((*first, *last)),
+                _ => None,
+            },
+        });
     }
 
     fn print(&self) {
@@ -143,15 +213,22 @@ impl Table {
             "{:<46} {:>10}   {:<34} {:>10} {:>7}",
             "operation", "median", "compared with", "median", "ratio"
         );
-        for (what, value, floor) in &self.0 {
-            match floor {
-                Some((f, d)) => println!(
-                    "{what:<46} {:>10}   {f:<34} {:>10} {:>6.2}x",
-                    fmt(*value),
-                    fmt(*d),
-                    value.as_secs_f64() / d.as_secs_f64()
-                ),
-                None => println!("{what:<46} {:>10}", fmt(*value)),
+        for row in &self.0 {
+            let what = &row.what;
+            match &row.floor {
+                Some((f, d)) => {
+                    let range = match row.range {
+                        Some((low, high)) => format!("   {low:.2}-{high:.2}x"),
+                        None => String::new(),
+                    };
+                    println!(
+                        "{what:<46} {:>10}   {f:<34} {:>10} {:>6.2}x{range}",
+                        fmt(row.value),
+                        fmt(*d),
+                        row.value.as_secs_f64() / d.as_secs_f64()
+                    )
+                }
+                None => println!("{what:<46} {:>10}", fmt(row.value)),
             }
         }
     }
@@ -169,6 +246,19 @@ fn fmt(d: Duration) -> String {
 }
 
 fn main() {
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--rounds" => ROUNDS.store(
+                args.next()
+                    .and_then(|s| s.parse().ok())
+                    .filter(|&rounds| rounds > 0)
+                    .expect("--rounds takes a count of at least 1"),
+                Ordering::Relaxed,
+            ),
+            other => panic!("unknown argument {other}; expected --rounds N"),
+        }
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -178,10 +268,17 @@ fn main() {
     let input = email(0, BODY);
     println!(
         "input {} bytes, result {} bytes (JSON); medians of {BATCHES} batches (local), \
-         of single operations (network)\n",
+         of single operations (network)",
         serde_json::to_vec(&input).unwrap().len(),
         serde_json::to_vec(&message_id()).unwrap().len()
     );
+    match rounds() {
+        1 => println!(),
+        rounds => println!(
+            "each pair measured {rounds} times, taking turns to go first: the round whose \
+             ratio is the median, and the range of the rounds' ratios\n"
+        ),
+    }
     let mut t = Table(Vec::new());
     let n = 20_000;
 
@@ -193,7 +290,7 @@ fn main() {
     // The key of a call as the attribute derives it, through the public API: the
     // dynamic tool prepares the call (options, run) and derives its key.
     let tool = idem::Tool::new("send_email");
-    let (derive, floor) = rt.block_on(compare(
+    let derive = rt.block_on(compare(
         n,
         |_| async {
             std::hint::black_box(tool.key_of(&run, &input).unwrap());
@@ -202,10 +299,10 @@ fn main() {
             std::hint::black_box(floor_key(&input));
         },
     ));
-    t.row(
+    t.pair(
         "key derivation (canonical JSON, SHA-256, key)",
-        derive,
-        Some(("JSON streamed to SHA-256, hex", floor)),
+        &derive,
+        "JSON streamed to SHA-256, hex",
     );
     // The digest alone: the key parts and the input's canonical JSON, hashed in one
     // pass. What key derivation adds to it is the key's text and the call itself.
@@ -215,7 +312,7 @@ fn main() {
         call_id: None,
         tool: "send_email",
     };
-    let (alone, floor) = rt.block_on(compare(
+    let alone = rt.block_on(compare(
         n,
         |_| async {
             std::hint::black_box(idem::store::Fingerprint::of(&parts, &[&input]).unwrap());
@@ -224,10 +321,10 @@ fn main() {
             std::hint::black_box(floor_key(&input));
         },
     ));
-    t.row(
+    t.pair(
         "fingerprint (parts + canonical JSON, SHA-256)",
-        alone,
-        Some(("JSON streamed to SHA-256, hex", floor)),
+        &alone,
+        "JSON streamed to SHA-256, hex",
     );
     for (label, size) in [("100 B", 100), ("10 KiB", 10 << 10), ("1 MiB", 1 << 20)] {
         let blob = "x".repeat(size);
@@ -247,7 +344,7 @@ fn main() {
             floor_key(&input),
             serde_json::to_vec(&message_id()).unwrap(),
         );
-        let (hit, floor) = compare(
+        let hit = compare(
             n,
             |_| send_email(&run, &input),
             |_| async {
@@ -256,18 +353,14 @@ fn main() {
             },
         )
         .await;
-        t.row(
-            "memory: hit",
-            hit,
-            Some(("key + map lookup + decode", floor)),
-        );
+        t.pair("memory: hit", &hit, "key + map lookup + decode");
 
         // A miss: a new input each time (building it is in both sides of each pair).
         let claim = vec![0u8; 78];
         let result = serde_json::to_vec(&message_id()).unwrap();
         let floor_map = std::sync::Mutex::new(HashMap::<[u8; 64], Vec<u8>>::new());
         let run = &run;
-        let (miss, floor) = compare(
+        let miss = compare(
             n,
             |i| async move {
                 std::hint::black_box(send_email(run, &email(i, BODY)).await.unwrap());
@@ -285,12 +378,8 @@ fn main() {
             },
         )
         .await;
-        t.row(
-            "memory: miss",
-            miss,
-            Some(("key + claim write + encode + write", floor)),
-        );
-        let (owned, borrowed) = compare(
+        t.pair("memory: miss", &miss, "key + claim write + encode + write");
+        let owned = compare(
             n,
             |i| async move {
                 std::hint::black_box(send_email_owned(run, email(i, BODY)).await.unwrap());
@@ -300,10 +389,10 @@ fn main() {
             },
         )
         .await;
-        t.row(
+        t.pair(
             "memory: miss, input owned (finishes alone)",
-            owned,
-            Some(("input borrowed (settled if dropped)", borrowed)),
+            &owned,
+            "input borrowed (settled if dropped)",
         );
 
         // With a subscriber and a recorder installed (feature `metrics`).
@@ -324,7 +413,7 @@ fn main() {
             serde_json::to_vec(&message_id()).unwrap(),
         )
         .unwrap();
-        let (hit, floor) = compare(
+        let hit = compare(
             n,
             |_| send_email(&run, &input),
             |_| async {
@@ -333,7 +422,7 @@ fn main() {
             },
         )
         .await;
-        t.row("sled: hit", hit, Some(("key + sled get + decode", floor)));
+        t.pair("sled: hit", &hit, "key + sled get + decode");
 
         use cached::IOCached;
         let disk: cached::DiskCache<String, MessageId> = cached::DiskCache::new("bench")
@@ -343,7 +432,7 @@ fn main() {
         // What `#[io_cached(disk = true, convert = ..)]` does per call: build the key
         // from the arguments, then read the disk cache.
         disk.cache_set(format!("{input:?}"), message_id()).unwrap();
-        let (hit, cached_hit) = compare(
+        let hit = compare(
             n,
             |_| send_email(&run, &input),
             |_| async {
@@ -352,11 +441,7 @@ fn main() {
             },
         )
         .await;
-        t.row(
-            "sled: hit",
-            hit,
-            Some(("cached 0.56 disk hit (key + get)", cached_hit)),
-        );
+        t.pair("sled: hit", &hit, "cached 0.56 disk hit (key + get)");
 
         for records in [1_000u64, 100_000, 1_000_000] {
             let dir = tempfile::tempdir().unwrap();
@@ -374,7 +459,7 @@ fn main() {
                 (store.join().unwrap(), raw)
             });
             let run = Run::new("bench-size").with_store(store);
-            let (hit, floor) = compare(
+            let hit = compare(
                 n / 4,
                 |_| send_email(&run, &probe),
                 |_| async {
@@ -383,16 +468,16 @@ fn main() {
                 },
             )
             .await;
-            t.row(
+            t.pair(
                 &format!("sled: hit, {records} records stored"),
-                hit,
-                Some(("key + sled get + decode, as many", floor)),
+                &hit,
+                "key + sled get + decode, as many",
             );
         }
 
         let m = 40;
         let run = Run::new("bench-sled-miss").with_store(store.clone());
-        let (serial, floor) = compare(
+        let serial = compare(
             m,
             |i| {
                 let run = run.clone();
@@ -404,14 +489,14 @@ fn main() {
             },
         )
         .await;
-        t.row(
+        t.pair(
             "sled: miss, durable, serial",
-            serial,
-            Some(("two sled insert + flush", floor)),
+            &serial,
+            "two sled insert + flush",
         );
         // The store's own part of that miss: its claim and its completion, called
         // directly, without the call around them (key, span, heartbeat, read-back).
-        let (stored, floor) = compare(
+        let stored = compare(
             m,
             |i| store_miss(&store, 30_000_000 + i),
             |k| {
@@ -420,17 +505,17 @@ fn main() {
             },
         )
         .await;
-        t.row(
+        t.pair(
             "sled: the miss's claim + completion alone",
-            stored,
-            Some(("two sled insert + flush", floor)),
+            &stored,
+            "two sled insert + flush",
         );
         for tasks in [8u64, 64] {
             let per_call = concurrent_misses(&run, tasks, 640, 10_000_000).await;
             t.row(
                 &format!("sled: miss, durable, {tasks} concurrent, per call"),
                 per_call,
-                Some(("the serial miss", serial)),
+                Some(("the serial miss", serial.a)),
             );
         }
 
@@ -441,7 +526,7 @@ fn main() {
             .unwrap();
         let log = std::fs::File::open(dir.path().join("floor").join("db")).unwrap();
         let run = Run::new("bench-sled-fsync").with_store(synced);
-        let (synced_serial, floor) = compare(
+        let synced_serial = compare(
             m,
             |i| {
                 let run = run.clone();
@@ -453,15 +538,15 @@ fn main() {
             },
         )
         .await;
-        t.row(
+        t.pair(
             "sled, fsync mode: miss, serial",
-            synced_serial,
-            Some(("two insert + flush + fdatasync", floor)),
+            &synced_serial,
+            "two insert + flush + fdatasync",
         );
         t.row(
             "sled, fsync mode: miss vs. default mode",
-            synced_serial,
-            Some(("default-mode serial miss", serial)),
+            synced_serial.a,
+            Some(("default-mode serial miss", serial.a)),
         );
         let tasks = 64u64;
         let started = Instant::now();
@@ -483,7 +568,7 @@ fn main() {
         t.row(
             "sled, fsync mode: miss, 64 concurrent, per call",
             started.elapsed() / (tasks * 10) as u32,
-            Some(("its serial miss", synced_serial)),
+            Some(("its serial miss", synced_serial.a)),
         );
     });
 
@@ -547,41 +632,52 @@ mod observed {
         }
     }
 
-    /// Medians of `op` with [`Installed`] and without, batches alternating.
+    /// Medians of `op` with [`Installed`] and without, batches alternating, measured
+    /// [`rounds`] times.
     async fn compare_installed<F: Future>(
         n: usize,
         installed: &Installed,
         mut op: impl FnMut(u64) -> F,
-    ) -> (Duration, Duration) {
-        let (mut i, mut with, mut without) = (0u64, Vec::new(), Vec::new());
-        for _ in 0..BATCHES {
-            {
-                let _tracing = tracing::dispatcher::set_default(&installed.dispatch);
-                let _metrics = metrics::set_default_local_recorder(&installed.recorder);
-                with.push(batch(n, &mut i, &mut op).await);
+    ) -> Pair {
+        let mut i = 0u64;
+        let mut measured = Vec::new();
+        for round in 0..rounds() {
+            let (mut with, mut without) = (Vec::new(), Vec::new());
+            for _ in 0..BATCHES {
+                if round % 2 == 1 {
+                    without.push(batch(n, &mut i, &mut op).await);
+                }
+                {
+                    let _tracing = tracing::dispatcher::set_default(&installed.dispatch);
+                    let _metrics = metrics::set_default_local_recorder(&installed.recorder);
+                    with.push(batch(n, &mut i, &mut op).await);
+                }
+                installed.exporter.reset();
+                if round % 2 == 0 {
+                    without.push(batch(n, &mut i, &mut op).await);
+                }
             }
-            installed.exporter.reset();
-            without.push(batch(n, &mut i, &mut op).await);
+            measured.push((middle(with), middle(without)));
         }
-        (middle(with), middle(without))
+        Pair::of(measured)
     }
 
     pub(super) async fn rows(t: &mut Table, n: usize, run: &Run, input: &scenario::SendEmail) {
         let installed = Installed::new();
-        let (with, without) = compare_installed(n, &installed, |_| send_email(run, input)).await;
-        t.row(
+        let with = compare_installed(n, &installed, |_| send_email(run, input)).await;
+        t.pair(
             "memory: hit, span exported + metrics",
-            with,
-            Some(("memory: hit, nothing installed", without)),
+            &with,
+            "memory: hit, nothing installed",
         );
-        let (with, without) = compare_installed(n, &installed, |i| async move {
+        let with = compare_installed(n, &installed, |i| async move {
             std::hint::black_box(send_email(run, &email(i, BODY)).await.unwrap());
         })
         .await;
-        t.row(
+        t.pair(
             "memory: miss, span exported + metrics",
-            with,
-            Some(("memory: miss, nothing installed", without)),
+            &with,
+            "memory: miss, nothing installed",
         );
     }
 }
@@ -604,8 +700,8 @@ mod network {
     }
 
     /// Medians of `n` single operations of `a` and `n` of `b` (what `a` is compared
-    /// with), numbered from 1 and interleaved one by one: `a` then `b`, then `b` then
-    /// `a`, and so on.
+    /// with), numbered from 1 (and on, round after round) and interleaved one by one:
+    /// `a` then `b`, then `b` then `a`, and so on; measured [`rounds`] times.
     ///
     /// Not batches, as the local rows: a loopback round trip on a busy machine stalls
     /// now and then for a millisecond or more, and a batch's mean then counts the
@@ -616,18 +712,22 @@ mod network {
         n: usize,
         mut a: impl FnMut(u64) -> F,
         mut b: impl FnMut(u64) -> G,
-    ) -> (Duration, Duration) {
-        let (mut ta, mut tb) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for i in 1..=n as u64 {
-            if i % 2 == 1 {
-                ta.push(timed(a(i)).await);
-                tb.push(timed(b(i)).await);
-            } else {
-                tb.push(timed(b(i)).await);
-                ta.push(timed(a(i)).await);
+    ) -> Pair {
+        let mut measured = Vec::new();
+        for round in 0..rounds() as u64 {
+            let (mut ta, mut tb) = (Vec::with_capacity(n), Vec::with_capacity(n));
+            for i in round * n as u64 + 1..=(round + 1) * n as u64 {
+                if i % 2 == 1 {
+                    ta.push(timed(a(i)).await);
+                    tb.push(timed(b(i)).await);
+                } else {
+                    tb.push(timed(b(i)).await);
+                    ta.push(timed(a(i)).await);
+                }
             }
+            measured.push((middle(ta), middle(tb)));
         }
-        (middle(ta), middle(tb))
+        Pair::of(measured)
     }
 
     async fn timed<F: Future>(op: F) -> Duration {
@@ -643,35 +743,67 @@ mod network {
         let floor = scenario::RedisFloor::connect(url).await;
         send_email(&run, input).await.unwrap();
         let n = fitted(5_000, || floor.round_trip()).await;
-        let (hit, rt) = paired(n, |_| send_email(&run, input), |_| floor.round_trip()).await;
-        t.row(
-            "redis: hit",
-            hit,
-            Some(("one round trip (GET of 168 B)", rt)),
-        );
+        let hit = paired(n, |_| send_email(&run, input), |_| floor.round_trip()).await;
+        t.pair("redis: hit", &hit, "one round trip (GET of 168 B)");
         // The hit's command alone: what the store's command costs over a `GET`,
         // without the call around it.
         let record = format!("{prefix}floor-record");
         floor.write(&record, 270).await;
-        let (command, rt) =
-            paired(n, |_| floor.claim_command(&record), |_| floor.round_trip()).await;
-        t.row(
+        let command = paired(n, |_| floor.claim_command(&record), |_| floor.round_trip()).await;
+        t.pair(
             "redis: the hit's command alone (SET NX GET)",
-            command,
-            Some(("one round trip (GET of 168 B)", rt)),
+            &command,
+            "one round trip (GET of 168 B)",
         );
+        // The hit's store operation alone: the store's claim of the hit's key (in a
+        // streak of hits, a `GET` first), without the call around it (the key, the
+        // result decoded, the span).
+        {
+            use idem::store::{Claim, ClaimRequest, Fingerprint, KeyParts, Origin, Store, Token};
+            let store = idem::RedisStore::builder(url)
+                .prefix(&prefix)
+                .connect()
+                .await
+                .unwrap();
+            let key = idem::Tool::new("send_email").key_of(&run, input).unwrap();
+            let parts = KeyParts {
+                tenant: None,
+                run_id: run.id(),
+                call_id: None,
+                tool: "send_email",
+            };
+            let request = ClaimRequest {
+                origin: Origin::new("bench-redis-store", "send_email"),
+                fingerprint: Fingerprint::of(&parts, &[input]).unwrap(),
+                token: Token::from_bits(1),
+                lease: Duration::from_secs(30),
+                ttl: Duration::from_secs(86_400),
+                take_over_expired: true,
+                retry_failed: false,
+            };
+            let claim = || async {
+                let claim = store.claim(&key, &request).await.unwrap();
+                assert!(matches!(claim, Claim::Completed(_)), "{claim:?}");
+            };
+            claim().await;
+            let operation = paired(n, |_| claim(), |_| floor.round_trip()).await;
+            t.pair(
+                "redis: the hit's store operation alone",
+                &operation,
+                "one round trip (GET of 168 B)",
+            );
+        }
         // A LocalCache keeps what its own process completed: complete through it first.
         let cached = scenario::redis_run(url, &prefix, true).await;
         let probe = email(1, BODY);
         send_email(&cached, &probe).await.unwrap();
-        let (local, local_rt) =
-            paired(n, |_| send_email(&cached, &probe), |_| floor.round_trip()).await;
-        t.row(
+        let local = paired(n, |_| send_email(&cached, &probe), |_| floor.round_trip()).await;
+        t.pair(
             "redis + LocalCache: hit",
-            local,
-            Some(("one round trip (GET of 168 B)", local_rt)),
+            &local,
+            "one round trip (GET of 168 B)",
         );
-        let (miss, two) = paired(
+        let miss = paired(
             (n / 2).max(200),
             |i| {
                 let run = run.clone();
@@ -683,12 +815,8 @@ mod network {
             },
         )
         .await;
-        t.row(
-            "redis: miss",
-            miss,
-            Some(("two round trips (GET, GET)", two)),
-        );
-        let (miss, fenced) = paired(
+        t.pair("redis: miss", &miss, "two round trips (GET, GET)");
+        let miss = paired(
             (n / 2).max(200),
             |i| {
                 let run = run.clone();
@@ -697,11 +825,7 @@ mod network {
             |i| floor.fenced_miss(&prefix, i),
         )
         .await;
-        t.row(
-            "redis: miss",
-            miss,
-            Some(("SET NX GET + fenced SET (script)", fenced)),
-        );
+        t.pair("redis: miss", &miss, "SET NX GET + fenced SET (script)");
         floor.clean(&prefix).await;
     }
 
@@ -713,19 +837,15 @@ mod network {
         // The floor reads a row that exists, as a hit does.
         floor.two_commits(0).await;
         let n = fitted(5_000, || floor.query(0)).await;
-        let (hit, query) = paired(n, |_| send_email(&run, input), |_| floor.query(0)).await;
-        t.row(
-            "postgres: hit",
-            hit,
-            Some(("one SELECT by primary key", query)),
-        );
+        let hit = paired(n, |_| send_email(&run, input), |_| floor.query(0)).await;
+        t.pair("postgres: hit", &hit, "one SELECT by primary key");
         let mut k = 1 << 40;
         let n = fitted(1_000, || {
             k += 1;
             floor.two_commits(k)
         })
         .await;
-        let (miss, commits) = paired(
+        let miss = paired(
             n,
             |i| {
                 let run = run.clone();
@@ -734,11 +854,7 @@ mod network {
             |i| floor.two_commits(i as i64),
         )
         .await;
-        t.row(
-            "postgres: miss",
-            miss,
-            Some(("two commits (INSERT, UPDATE)", commits)),
-        );
+        t.pair("postgres: miss", &miss, "two commits (INSERT, UPDATE)");
         floor.drop_tables(&table).await;
     }
 }
@@ -764,7 +880,7 @@ async fn sqlite_rows(t: &mut Table, n: usize, input: &scenario::SendEmail) {
         (scenario::keyed(input), &result),
     )
     .unwrap();
-    let (hit, floor) = compare(
+    let hit = compare(
         n,
         |_| send_email(&run, input),
         |_| {
@@ -781,11 +897,11 @@ async fn sqlite_rows(t: &mut Table, n: usize, input: &scenario::SendEmail) {
         },
     )
     .await;
-    t.row("sqlite: hit", hit, Some(("key + SELECT + decode", floor)));
+    t.pair("sqlite: hit", &hit, "key + SELECT + decode");
 
     let m = 200;
     let run = Run::new("bench-sqlite-miss").with_store(store.clone());
-    let (serial, floor) = compare(
+    let serial = compare(
         m,
         |i| {
             let run = run.clone();
@@ -807,17 +923,13 @@ async fn sqlite_rows(t: &mut Table, n: usize, input: &scenario::SendEmail) {
         },
     )
     .await;
-    t.row(
-        "sqlite: miss, serial",
-        serial,
-        Some(("two write transactions", floor)),
-    );
+    t.pair("sqlite: miss, serial", &serial, "two write transactions");
     for tasks in [8u64, 64] {
         let per_call = concurrent_misses(&run, tasks, 1280, 20_000_000).await;
         t.row(
             &format!("sqlite: miss, {tasks} concurrent, per call"),
             per_call,
-            Some(("the serial miss", serial)),
+            Some(("the serial miss", serial.a)),
         );
     }
 }
