@@ -47,20 +47,39 @@ pub(crate) fn forget(id: u64) {
 /// Completes at `at` or later, woken by the timer thread: a timer that needs no
 /// tokio (a runtime built without timers, another executor, none at all).
 pub(crate) async fn sleep_until(at: Instant) {
-    let mut alarm = Alarm::default();
-    std::future::poll_fn(|cx| {
+    let mut deadline = Deadline::new(at);
+    std::future::poll_fn(|cx| deadline.poll(cx)).await
+}
+
+/// A time the timer thread wakes a task at (see [`sleep_until`]); dropped, it wakes no
+/// one.
+pub(crate) struct Deadline {
+    at: Instant,
+    alarm: Alarm,
+}
+
+impl Deadline {
+    /// Due at `at`.
+    pub(crate) fn new(at: Instant) -> Self {
+        Deadline {
+            at,
+            alarm: Alarm::default(),
+        }
+    }
+
+    /// Ready once due; until then the timer thread wakes `cx`'s task when it is.
+    pub(crate) fn poll(&mut self, cx: &mut std::task::Context<'_>) -> Poll<()> {
         let now = Instant::now();
-        if now >= at {
+        if now >= self.at {
             return Poll::Ready(());
         }
-        if !alarm.set(at, cx.waker()) {
+        if !self.alarm.set(self.at, cx.waker()) {
             // No timer thread (the OS would not start one): block until then
             // rather than poll without pause.
-            std::thread::sleep(at - now);
+            std::thread::sleep(self.at - now);
         }
         Poll::Pending
-    })
-    .await
+    }
 }
 
 /// Wakes a task at a given time, from the timer thread. Dropped, it wakes no one.

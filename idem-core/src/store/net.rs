@@ -73,40 +73,91 @@ pub(crate) fn in_local_clock(claim: Claim, server_now: Timestamp) -> Claim {
 /// Inside a sync tool the thread is blocked, and tokio's timer may be one this very
 /// thread drives (a current-thread runtime's own thread): there the bound is kept by
 /// the timer thread, so the call ends in an error instead of hanging.
-pub(crate) async fn bounded<T>(
-    store: &'static str,
-    timeout: Duration,
-    operation: impl std::future::Future<Output = Result<T, Error>>,
-) -> Result<T, Error> {
-    runtime_here(store)?;
-    if !crate::blocking::in_sync_tool() {
-        return match tokio::time::timeout(timeout, operation).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::store(store, format!("no answer within {timeout:?}"))),
-        };
+pub(crate) fn bounded<F>(store: &'static str, timeout: Duration, operation: F) -> Bounded<F> {
+    Bounded {
+        operation,
+        bound: Bound::Unarmed,
+        store,
+        timeout,
     }
-    let deadline = std::time::Instant::now() + timeout;
-    let mut operation = std::pin::pin!(operation);
-    let mut alarm = std::pin::pin!(crate::timer::sleep_until(deadline));
-    std::future::poll_fn(|cx| {
-        use std::future::Future as _;
-        if let std::task::Poll::Ready(result) = operation.as_mut().poll(cx) {
-            return std::task::Poll::Ready(result);
+}
+
+pin_project_lite::pin_project! {
+    /// A network store's operation within its timeout (see [`bounded`]). A future of
+    /// its own, not an `async fn`: that would hold the operation twice (as it was
+    /// handed in, and as it runs), and every store operation's future, moved whole into
+    /// its box, is made of these.
+    pub(crate) struct Bounded<F> {
+        #[pin]
+        operation: F,
+        #[pin]
+        bound: Bound,
+        store: &'static str,
+        timeout: Duration,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// What keeps an operation's time, set at its first poll.
+    #[project = BoundProj]
+    enum Bound {
+        Unarmed,
+        /// tokio's timer, on a runtime's thread.
+        Tokio { #[pin] sleep: tokio::time::Sleep },
+        /// The timer thread's, inside a sync tool.
+        Thread { deadline: crate::timer::Deadline },
+    }
+}
+
+impl<T, F: std::future::Future<Output = Result<T, Error>>> std::future::Future for Bounded<F> {
+    type Output = Result<T, Error>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        use std::task::Poll;
+        let mut this = self.project();
+        let (store, timeout) = (*this.store, *this.timeout);
+        if let BoundProj::Unarmed = this.bound.as_mut().project() {
+            runtime_here(store)?;
+            this.bound.set(match crate::blocking::in_sync_tool() {
+                false => Bound::Tokio {
+                    sleep: tokio::time::sleep(timeout),
+                },
+                true => Bound::Thread {
+                    deadline: crate::timer::Deadline::new(std::time::Instant::now() + timeout),
+                },
+            });
         }
-        alarm.as_mut().poll(cx).map(|()| {
-            Err(Error::store(
-                store,
-                format!(
+        if let Poll::Ready(result) = this.operation.poll(cx) {
+            return Poll::Ready(result);
+        }
+        let in_sync_tool = match this.bound.project() {
+            BoundProj::Tokio { sleep } => {
+                std::task::ready!(sleep.poll(cx));
+                false
+            }
+            BoundProj::Thread { deadline } => {
+                std::task::ready!(deadline.poll(cx));
+                true
+            }
+            BoundProj::Unarmed => return Poll::Pending,
+        };
+        Poll::Ready(Err(Error::store(
+            store,
+            match in_sync_tool {
+                false => format!("no answer within {timeout:?}"),
+                true => format!(
                     "no answer within {timeout:?}; a sync tool blocks its thread while it waits \
                      for the store, and if that thread is the one driving tokio (a \
                      current-thread runtime's, or every worker of a multi-threaded one) the \
                      answer can never arrive: call the tool inside \
                      tokio::task::spawn_blocking, or make it async"
                 ),
-            ))
-        })
-    })
-    .await
+            },
+        )))
+    }
 }
 
 /// Which request a claim sends first, guessed from the claims just made on this store.

@@ -353,11 +353,10 @@ impl PostgresStore {
 
 impl PostgresStore {
     /// Runs `f` within the store's timeout.
-    async fn bounded<T>(
-        &self,
-        f: impl std::future::Future<Output = Result<T, Error>>,
-    ) -> Result<T, Error> {
-        net::bounded(STORE, self.inner.timeout, f).await
+    /// Runs `f` within the store's timeout (a plain `fn`: an `async fn` would hold `f`
+    /// twice, in every operation's future).
+    fn bounded<F>(&self, f: F) -> net::Bounded<F> {
+        net::bounded(STORE, self.inner.timeout, f)
     }
 
     /// A pooled connection. The futures of the pool and of `tokio_postgres` are boxed

@@ -425,11 +425,10 @@ impl RedisStore {
         }
     }
 
-    async fn bounded<T>(
-        &self,
-        f: impl std::future::Future<Output = Result<T, Error>>,
-    ) -> Result<T, Error> {
-        net::bounded(STORE, self.inner.timeout, f).await
+    /// Runs `f` within the store's timeout (a plain `fn`: an `async fn` would hold `f`
+    /// twice, in every operation's future).
+    fn bounded<F>(&self, f: F) -> net::Bounded<F> {
+        net::bounded(STORE, self.inner.timeout, f)
     }
 
     /// Runs a script on `key` with `args` (see [`RedisStore::eval`]).
@@ -543,7 +542,8 @@ impl RedisStore {
         };
         let record = decode(key, &bytes)?;
         let (record, now) = match record.state {
-            State::InProgress { .. } => match self.read(key).await? {
+            // Boxed, as it is rare: the hit's future stays the size of its `GET`.
+            State::InProgress { .. } => match Box::pin(self.read(key)).await? {
                 Some(found) => (found.record, found.now),
                 None => return Ok(None),
             },
@@ -707,6 +707,64 @@ impl RedisStore {
         Ok((page, bytes))
     }
 
+    /// The rest of a claim whose `SET NX GET` found `bytes`, a record it does not
+    /// replay (see [`Store::claim`]): decided, or `None` if the record changed under
+    /// it (the claim tries again). `fresh` is the claim it sent, `claim` its bytes.
+    async fn contend(
+        &self,
+        key: &Key,
+        request: &ClaimRequest,
+        fresh: &Record,
+        claim: &[u8],
+        bytes: Vec<u8>,
+    ) -> Result<Option<Claim>, Error> {
+        let streak = &self.inner.streak;
+        let ttl = fresh.expires_at.0;
+        let record = decode(key, &bytes)?;
+        let found = if matches!(record.state, State::InProgress { .. }) {
+            // Only a lease needs the clock: read the record again, in time.
+            match self.read(key).await? {
+                Some(found) => found,
+                None => return Ok(None),
+            }
+        } else {
+            // Redis returned it, so it is live; decided at its own time 0.
+            Found {
+                bytes,
+                record,
+                now: Timestamp(0),
+            }
+        };
+        let (decision, write) = decide_claim(Some(&found.record), request, found.now);
+        let Some(write) = write else {
+            streak.found();
+            return Ok(Some(in_local_clock(decision, found.now)));
+        };
+        // A takeover or a retry goes on with the record's history; a record that
+        // expired meanwhile starts a new one.
+        let next = match found.record.is_expired(found.now) {
+            true => claim.to_vec(),
+            false => Record {
+                meta: write.meta,
+                ..fresh.clone()
+            }
+            .encode(),
+        };
+        let px = ttl.to_string();
+        let replaced: i64 = self
+            .script(&REPLACE, key, &[&found.bytes, &next, px.as_bytes()])
+            .await?;
+        if replaced == 1 {
+            if matches!(decision, Claim::Acquired { .. }) {
+                let until = fresh.meta.claimed_at.after(request.lease);
+                self.inner.held.hold(key, next, until);
+            }
+            streak.broken();
+            return Ok(Some(decision));
+        }
+        Ok(None)
+    }
+
     /// Sends a request about `key` on a handle of the connection, within the store's
     /// timeout.
     async fn send<T, F>(
@@ -834,45 +892,11 @@ impl Store for RedisStore {
                 }
                 Err(bytes) => bytes,
             };
-            let record = decode(key, &bytes)?;
-            let found = if matches!(record.state, State::InProgress { .. }) {
-                // Only a lease needs the clock: read the record again, in time.
-                match self.read(key).await? {
-                    Some(found) => found,
-                    None => continue,
-                }
-            } else {
-                // Redis returned it, so it is live; decided at its own time 0.
-                Found {
-                    bytes,
-                    record,
-                    now: Timestamp(0),
-                }
-            };
-            let (decision, write) = decide_claim(Some(&found.record), request, found.now);
-            let Some(write) = write else {
-                streak.found();
-                return Ok(in_local_clock(decision, found.now));
-            };
-            // A takeover or a retry goes on with the record's history; a record that
-            // expired meanwhile starts a new one.
-            let next = match found.record.is_expired(found.now) {
-                true => claim.clone(),
-                false => Record {
-                    meta: write.meta,
-                    ..fresh.clone()
-                }
-                .encode(),
-            };
-            let px = ttl.to_string();
-            let replaced: i64 = self
-                .script(&REPLACE, key, &[&found.bytes, &next, px.as_bytes()])
-                .await?;
-            if replaced == 1 {
-                if matches!(decision, Claim::Acquired { .. }) {
-                    self.inner.held.hold(key, next, until);
-                }
-                streak.broken();
+            // Anything else is rare (a claim in progress, a record to take over, a
+            // mismatch): decided in a future of its own, so that the claim's future,
+            // moved whole into its box at every claim, stays the size of its commands.
+            let contended = self.contend(key, request, &fresh, &claim, bytes);
+            if let Some(decision) = Box::pin(contended).await? {
                 return Ok(decision);
             }
             tracing::debug!(%key, "record changed between a claim's read and its write; reading again");
