@@ -1731,6 +1731,37 @@ fn a_sync_tool_on_a_network_store_runs_once_inside_spawn_blocking_on_either_runt
     }
 }
 
+/// A store timeout past what an `Instant` holds (`Duration::MAX`, "no bound") is a
+/// deadline far away, for a sync tool too (whose bound the timer thread keeps): the
+/// call answers, and the body runs once; no overflow panic. (Redis: the Postgres store
+/// refuses such a timeout when it connects, as its `lock_timeout`.)
+#[test]
+fn a_sync_tool_on_a_network_store_with_an_unbounded_timeout_answers() {
+    let Some(redis) = redis_url() else {
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = RedisStore::builder(&redis)
+            .prefix(format!("{}:", unique("idem-sync-max")))
+            .timeout(Duration::MAX)
+            .connect()
+            .await
+            .unwrap();
+        let run = Run::new("sync-max").with_store(store);
+        let before = SYNC_RUNS.load(SeqCst);
+        let got = tokio::task::spawn_blocking(move || (sync_call(&run, 4), sync_call(&run, 4)))
+            .await
+            .unwrap();
+        assert_eq!((got.0.unwrap().unwrap(), got.1.unwrap().unwrap()), (8, 8));
+        assert_eq!(SYNC_RUNS.load(SeqCst) - before, 1);
+    });
+}
+
 // ----- Errors keep their cause ---------------------------------------------------------
 
 /// `error` and every source under it, as text.

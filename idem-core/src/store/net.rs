@@ -82,6 +82,15 @@ pub(crate) fn bounded<F>(store: &'static str, timeout: Duration, operation: F) -
     }
 }
 
+/// `timeout` from now, or as far as an `Instant` goes.
+fn far_from_now(timeout: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(century))
+        .unwrap_or(now)
+}
+
 pin_project_lite::pin_project! {
     /// A network store's operation within its timeout (see [`bounded`]). A future of
     /// its own, not an `async fn`: that would hold the operation twice (as it was
@@ -126,7 +135,9 @@ impl<T, F: std::future::Future<Output = Result<T, Error>>> std::future::Future f
                     sleep: tokio::time::sleep(timeout),
                 },
                 true => Bound::Thread {
-                    deadline: crate::timer::Deadline::new(std::time::Instant::now() + timeout),
+                    // A timeout past what an `Instant` holds (`Duration::MAX`) is a
+                    // deadline centuries away, not a panic.
+                    deadline: crate::timer::Deadline::new(far_from_now(timeout)),
                 },
             });
         }

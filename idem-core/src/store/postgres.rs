@@ -352,7 +352,6 @@ impl PostgresStore {
 }
 
 impl PostgresStore {
-    /// Runs `f` within the store's timeout.
     /// Runs `f` within the store's timeout (a plain `fn`: an `async fn` would hold `f`
     /// twice, in every operation's future).
     fn bounded<F>(&self, f: F) -> net::Bounded<F> {
