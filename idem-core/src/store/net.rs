@@ -111,8 +111,10 @@ pin_project_lite::pin_project! {
     #[project = BoundProj]
     enum Bound {
         Unarmed,
-        /// tokio's timer, on a runtime's thread.
-        Tokio { #[pin] sleep: tokio::time::Sleep },
+        /// tokio's timer, on a runtime's thread: polled outside the task's budget, so
+        /// an operation that spends the budget at every poll still times out (as
+        /// `tokio::time::timeout` does it).
+        Tokio { #[pin] sleep: tokio::task::Unconstrained<tokio::time::Sleep> },
         /// The timer thread's, inside a sync tool.
         Thread { deadline: crate::timer::Deadline },
     }
@@ -132,7 +134,7 @@ impl<T, F: std::future::Future<Output = Result<T, Error>>> std::future::Future f
             runtime_here(store)?;
             this.bound.set(match crate::blocking::in_sync_tool() {
                 false => Bound::Tokio {
-                    sleep: tokio::time::sleep(timeout),
+                    sleep: tokio::task::unconstrained(tokio::time::sleep(timeout)),
                 },
                 true => Bound::Thread {
                     // A timeout past what an `Instant` holds (`Duration::MAX`) is a
@@ -365,4 +367,31 @@ pub(crate) async fn a_streak_of_hits_reads_first(
         "{:?}",
         stored.state
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An operation that spends the task's budget at every poll and never ends still
+    /// times out: the bound's timer is polled outside the budget.
+    #[tokio::test]
+    #[allow(unreachable_code)]
+    async fn an_operation_that_spends_the_budget_at_every_poll_still_times_out() {
+        let spinning = async {
+            loop {
+                tokio::task::consume_budget().await;
+            }
+            Ok::<(), Error>(())
+        };
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            bounded("test", Duration::from_millis(50), spinning),
+        )
+        .await;
+        assert!(
+            matches!(&answer, Ok(Err(Error::Store { .. }))),
+            "{answer:?}"
+        );
+    }
 }
