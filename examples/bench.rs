@@ -51,8 +51,8 @@ fn median(n: usize, mut op: impl FnMut(u64)) -> Duration {
     )
 }
 
-/// Medians of `a` and of `b` (what `a` is compared with), measured side by side: each
-/// of `BATCHES` rounds runs a batch of `a`, then a batch of `b`. A machine that speeds
+/// Medians of `a` and of `b` (what `a` is compared with), measured side by side:
+/// `BATCHES` times a batch of `a`, then a batch of `b`. A machine that speeds
 /// up or slows down during the run moves both alike, so their ratio holds. The local
 /// rows use it (their operations take microseconds, too short to time one by one);
 /// the network rows use `network::paired`. Measured [`rounds`] times, `b` going first
@@ -87,8 +87,8 @@ fn rounds() -> usize {
     ROUNDS.load(Ordering::Relaxed)
 }
 
-/// A compared pair: `a` and `b` (what `a` is compared with) as the round whose ratio
-/// `a / b` is the median of the rounds measured them (the upper middle of an even
+/// A compared pair: `a` and `b` (what `a` is compared with) as measured in the round
+/// whose ratio `a / b` is the median of all rounds' (the upper middle of an even
 /// count), and every round's ratio, sorted.
 struct Pair {
     a: Duration,
