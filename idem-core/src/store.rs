@@ -911,6 +911,38 @@ pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// The longest timeout a store can keep whose database takes it in milliseconds as a
+/// 32-bit integer (Postgres' `lock_timeout`, SQLite's busy timeout): about 24.8 days.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) const MILLIS_I32: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// Checks a store's timeout as the store is built: a
+/// [`StoreErrorKind::Config`](crate::error::StoreErrorKind::Config) error
+/// if it is zero where `zero_fails` (a network store, whose every operation would
+/// then fail), or longer than `most`, rather than a store that fails every call or an
+/// error (or a panic) from its database's driver on first use.
+#[cfg(any(feature = "postgres", feature = "redis", feature = "sqlite"))]
+pub(crate) fn check_timeout(
+    store: &'static str,
+    timeout: Duration,
+    zero_fails: bool,
+    most: Duration,
+) -> Result<(), Error> {
+    let why = if zero_fails && timeout.is_zero() {
+        "a timeout of zero would fail every operation: give it one that lasts a round trip"
+            .to_owned()
+    } else if timeout > most {
+        format!("a timeout of {timeout:?} is longer than the {store} store can keep ({most:?})")
+    } else {
+        return Ok(());
+    };
+    Err(Error::store_of_kind(
+        store,
+        crate::error::StoreErrorKind::Config,
+        why,
+    ))
+}
+
 pub(crate) mod local_cache;
 pub(crate) mod memory;
 #[cfg(any(feature = "postgres", feature = "redis"))]

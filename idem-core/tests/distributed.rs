@@ -1741,10 +1741,59 @@ fn a_sync_tool_on_a_network_store_runs_once_inside_spawn_blocking_on_either_runt
     }
 }
 
+/// A timeout no network store can keep is refused as the store is built, with a
+/// `Config` error that says why: zero (every operation would fail), and for Postgres
+/// one over `i32::MAX` milliseconds (its `lock_timeout` refused it at connect, with
+/// "invalid value for parameter"). No server is needed: building connects to nothing.
+#[test]
+fn a_network_store_refuses_a_timeout_it_cannot_keep() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _in_runtime = rt.enter();
+    let refused = |built: Result<(), Error>, why: &str| {
+        let error = built.expect_err(why);
+        assert_eq!(
+            error.store_kind(),
+            Some(idem_core::StoreErrorKind::Config),
+            "{error}"
+        );
+        assert!(error.to_string().contains(why), "{error}");
+    };
+    let postgres = |timeout| {
+        PostgresStore::builder("postgres://idem@127.0.0.1:1/none")
+            .timeout(timeout)
+            .build()
+            .map(drop)
+    };
+    let redis = |timeout| {
+        RedisStore::builder("redis://127.0.0.1:1")
+            .timeout(timeout)
+            .build()
+            .map(drop)
+    };
+    refused(postgres(Duration::ZERO), "a timeout of zero");
+    refused(redis(Duration::ZERO), "a timeout of zero");
+    refused(
+        postgres(Duration::MAX),
+        "longer than the postgres store can keep",
+    );
+    let most = Duration::from_millis(i32::MAX as u64);
+    refused(
+        postgres(most + Duration::from_millis(1)),
+        "longer than the postgres store can keep",
+    );
+    // What each can keep is built.
+    postgres(most).unwrap();
+    postgres(Duration::from_millis(1)).unwrap();
+    redis(Duration::MAX).unwrap();
+}
+
 /// A store timeout past what an `Instant` holds (`Duration::MAX`, "no bound") is a
 /// deadline far away, for a sync tool too (whose bound the timer thread keeps): the
 /// call answers, and the body runs once; no overflow panic. (Redis: the Postgres store
-/// refuses such a timeout when it connects, as its `lock_timeout`.)
+/// refuses such a timeout as it is built, see above.)
 #[test]
 fn a_sync_tool_on_a_network_store_with_an_unbounded_timeout_answers() {
     let Some(redis) = redis_url() else {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem_core::store::{Claim, ClaimRequest, Fenced, Filter, Fingerprint, Origin, Outcome, Token};
-use idem_core::{testing, Error, Key, LocalCache, SqliteStore, Store};
+use idem_core::{testing, Error, Key, LocalCache, SqliteStore, Store, StoreErrorKind};
 
 fn request(fingerprint: u8) -> ClaimRequest {
     ClaimRequest {
@@ -396,6 +396,22 @@ fn bad_settings_are_clear_errors() {
         .open()
         .unwrap_err();
     assert!(err.to_string().contains("invalid table name"), "{err}");
+    // A busy timeout past what SQLite takes (`i32::MAX` ms): a `Config` error, where
+    // its driver panicked ("too big"). Zero (never wait for the lock) opens.
+    let err = SqliteStore::builder(dir.path().join("a.sqlite"))
+        .timeout(Duration::MAX)
+        .open()
+        .unwrap_err();
+    assert_eq!(err.store_kind(), Some(StoreErrorKind::Config), "{err}");
+    assert!(
+        err.to_string()
+            .contains("longer than the sqlite store can keep"),
+        "{err}"
+    );
+    SqliteStore::builder(dir.path().join("a.sqlite"))
+        .timeout(Duration::ZERO)
+        .open()
+        .unwrap();
     // A directory where the file should be.
     let err = SqliteStore::open(dir.path()).unwrap_err();
     assert!(

@@ -288,7 +288,9 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The bound on every operation, connecting included (5 seconds by default).
+    /// The bound on every operation, connecting included (5 seconds by default): more
+    /// than zero, or building the store fails with a [`StoreErrorKind::Config`] error.
+    /// `Duration::MAX` bounds nothing.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -298,6 +300,7 @@ impl RedisStoreBuilder {
     /// called inside a tokio runtime (the connection manager lives on it); elsewhere it
     /// is an [`Error::Store`].
     pub fn build(self) -> Result<RedisStore, Error> {
+        crate::store::check_timeout(STORE, self.timeout, true, Duration::MAX)?;
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(redis_error(
                 "a RedisStore must be built inside a tokio runtime, which drives its connection",
@@ -425,6 +428,16 @@ impl RedisStore {
         }
     }
 
+    /// The command `name` of the one key `key`, its buffer sized once: `redis::cmd`
+    /// starts empty and grows it (a reallocation and a copy) when the key is written,
+    /// on every hit.
+    fn command_on(&self, name: &str, key: &Key) -> redis::Cmd {
+        let redis_key = self.redis_key(key);
+        let mut command = redis::Cmd::with_capacity(2, name.len() + redis_key.len());
+        command.arg(name).arg(redis_key);
+        command
+    }
+
     /// Runs `f` within the store's timeout (a plain `fn`: an `async fn` would hold `f`
     /// twice, in every operation's future).
     fn bounded<F>(&self, f: F) -> net::Bounded<F> {
@@ -517,8 +530,7 @@ impl RedisStore {
 
     /// The bytes under `key`, with a plain `GET`.
     async fn get_bytes(&self, key: &Key) -> Result<Option<Vec<u8>>, Error> {
-        let mut command = redis::cmd("GET");
-        command.arg(self.redis_key(key));
+        let command = self.command_on("GET", key);
         self.send(
             key,
             |mut c| async move { command.query_async(&mut c).await },
@@ -980,8 +992,7 @@ impl Store for RedisStore {
     }
 
     async fn delete(&self, key: &Key) -> Result<bool, Error> {
-        let mut command = redis::cmd("DEL");
-        command.arg(self.redis_key(key));
+        let command = self.command_on("DEL", key);
         let deleted: i64 = self
             .send(
                 key,

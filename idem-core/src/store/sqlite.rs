@@ -299,6 +299,7 @@ impl SqliteStore {
             timeout,
             table,
         } = builder;
+        crate::store::check_timeout("sqlite", timeout, false, crate::store::MILLIS_I32)?;
         if !is_identifier(&table) {
             return Err(Error::store_of_kind(
                 "sqlite",
@@ -806,7 +807,9 @@ impl SqliteStoreBuilder {
 
     /// The longest an operation waits for the write lock while another process holds
     /// it (SQLite's busy timeout); past it, the operation fails with [`Error::Store`].
-    /// Default: [`SqliteStore::DEFAULT_TIMEOUT`].
+    /// Default: [`SqliteStore::DEFAULT_TIMEOUT`]. Zero waits not at all; at most
+    /// `i32::MAX` milliseconds (about 24.8 days, the most SQLite takes), or opening the
+    /// store fails with a [`StoreErrorKind::Config`] error.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
