@@ -193,10 +193,37 @@ impl std::fmt::Debug for Run {
 
 /// `future` with `run` as its ambient run, if there is one: for a body that may go on
 /// in a task of its own after its caller stopped waiting.
-pub(crate) async fn in_scope<F: Future>(run: Option<Run>, future: F) -> F::Output {
+pub(crate) fn in_scope<F: Future>(run: Option<Run>, future: F) -> InScope<F> {
     match run {
-        Some(run) => CURRENT_RUN.scope(run, future).await,
-        None => future.await,
+        Some(run) => InScope::Run {
+            future: CURRENT_RUN.scope(run, future),
+        },
+        None => InScope::Plain { future },
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`in_scope`]: a future of its own, not an `async fn`, which would
+    /// hold `future` twice (its argument, and the future it awaits), and a miss's
+    /// owner part is most of a kilobyte.
+    #[project = InScopeProjection]
+    pub(crate) enum InScope<F: Future> {
+        Run { #[pin] future: tokio::task::futures::TaskLocalFuture<Run, F> },
+        Plain { #[pin] future: F },
+    }
+}
+
+impl<F: Future> Future for InScope<F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        match self.project() {
+            InScopeProjection::Run { future } => future.poll(cx),
+            InScopeProjection::Plain { future } => future.poll(cx),
+        }
     }
 }
 

@@ -51,11 +51,12 @@ pub fn email(n: u64, body_len: usize) -> SendEmail {
         to: "ada.lovelace@example.com".into(),
         cc: vec!["charles.babbage@example.com".into()],
         subject: "Your order #4711 has shipped today".into(),
-        body: "Hello Ada, your order is on its way. "
-            .chars()
-            .cycle()
-            .take(body_len)
-            .collect(),
+        body: {
+            let text = "Hello Ada, your order is on its way. ";
+            let mut body = text.repeat(body_len / text.len() + 1);
+            body.truncate(body_len);
+            body
+        },
         tags,
     }
 }

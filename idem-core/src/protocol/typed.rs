@@ -288,12 +288,15 @@ where
 /// The part of [`execute`] after a hit path that found nothing: claims the key
 /// (waiting for another call that holds it), then replays what the claim found, or
 /// runs the body as the owner.
-async fn missed<R, C, Fut>(
+///
+/// A plain `fn` that returns its future: an `async fn` keeps its arguments in its
+/// future beside the future it moves them into, and held every miss's call twice.
+fn missed<R, C, Fut>(
     call: Call,
     handover: Handover,
     operation: Fut,
     compare: Compare<R::Ok, R::Err>,
-) -> Result<R, Error>
+) -> impl Future<Output = Result<R, Error>>
 where
     R: ToolOutput,
     C: ErrorPolicy<R::Err>,
@@ -302,7 +305,9 @@ where
     let span = call.span().clone();
     async move {
         let report = call.resume(handover);
-        let acquired = claim::claim_key(&call, report, C::STORED.is_some()).await?;
+        // Boxed: the claim's states are the largest of a miss's, and in this future
+        // they would put it over the allocator's thread cache (see `finish::miss`).
+        let acquired = Box::pin(claim::claim_key(&call, report, C::STORED.is_some())).await?;
         let (owner, report) = match replay::<R, C>(&call, acquired, None)? {
             Acquisition::Replay(output) => return Ok(output),
             Acquisition::Owner(owner, report) => (owner, report),
@@ -316,7 +321,6 @@ where
         ran(output)
     }
     .instrument(span)
-    .await
 }
 
 /// [`execute`] for an operation that can run on its own (`Send + 'static`): if the
