@@ -594,7 +594,10 @@ impl RedisStore {
     /// written only if the key still holds exactly them (`REPLACE`, no splicing on the
     /// server); otherwise, or if it does not, the splicing script (`COMPLETE`) decides.
     /// A renewal that keeps its claim passes the lease's new end as `until`: the claim
-    /// written is kept in place of the old.
+    /// written is kept in place of the old. Each script runs in a box of its own: in
+    /// line, the two made the completion's future 1,328 bytes, past the 1,032 that
+    /// glibc's per-thread cache serves (two boxes that fit cost less than one that
+    /// does not).
     #[allow(clippy::too_many_arguments)]
     async fn owner_write(
         &self,
@@ -609,9 +612,8 @@ impl RedisStore {
         let px = px.to_string();
         if let Some(claim) = self.inner.held.take(key, token) {
             if let Some(record) = splice(&claim, header, split, payload) {
-                let written: i64 = self
-                    .script(&REPLACE, key, &[&claim, &record, px.as_bytes()])
-                    .await?;
+                let args: [&[u8]; 3] = [&claim, &record, px.as_bytes()];
+                let written: i64 = Box::pin(self.script(&REPLACE, key, &args)).await?;
                 if written == 1 {
                     if let Some(until) = until {
                         self.inner.held.hold(key, record, until);
@@ -622,13 +624,8 @@ impl RedisStore {
         }
         let token = token.0.to_be_bytes();
         let split = split.to_string();
-        let applied: i64 = self
-            .script(
-                &COMPLETE,
-                key,
-                &[&token, header, payload, px.as_bytes(), split.as_bytes()],
-            )
-            .await?;
+        let args: [&[u8]; 5] = [&token, header, payload, px.as_bytes(), split.as_bytes()];
+        let applied: i64 = Box::pin(self.script(&COMPLETE, key, &args)).await?;
         Ok(net::fenced(applied as u64))
     }
 

@@ -22,6 +22,59 @@ use crate::store::{
 /// race means another caller made progress on the key).
 const CLAIM_ATTEMPTS: usize = 64;
 
+impl PostgresStore {
+    /// A claim by the claim statement, which serves a key with a row and one without
+    /// in one round trip (see `Sql::claim_fresh`), then takes over a row to claim;
+    /// again after a lost race. `params` are the claim's eleven (see [`Store::claim`]).
+    async fn claim_statement(
+        &self,
+        client: &deadpool_postgres::Object,
+        key: &Key,
+        request: &ClaimRequest,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync); 11],
+    ) -> Result<Claim, Error> {
+        let streak = &self.inner.streak;
+        for _ in 0..CLAIM_ATTEMPTS {
+            // Each statement's future in a box of its own (see `client`).
+            let fresh = &params[..9];
+            let read = |stmt: Statement| -> Pending<'_, Row> {
+                Box::pin(async move { client.query_one(&stmt, fresh).await })
+            };
+            let row = self
+                .on(client, &self.inner.sql.claim_fresh, read)
+                .await
+                .map_err(pg_error)?;
+            if row
+                .try_get::<_, i64>(CLAIM_COLUMN_COUNT + 1)
+                .map_err(pg_error)?
+                == 1
+            {
+                streak.inserted();
+                return Ok(Claim::Acquired { took_over: false });
+            }
+            let (Some(current), now) = decode_claim_read(key, &row)? else {
+                // Not inserted, yet no row to see: another caller's claim committed
+                // after this statement's snapshot was taken. Look again.
+                continue;
+            };
+            let (claim, write) = decide_claim(Some(&current), request, now);
+            if write.is_none() {
+                streak.found();
+                return Ok(in_local_clock(claim, now));
+            }
+            if self
+                .row_on(client, &self.inner.sql.claim, params)
+                .await?
+                .is_some()
+            {
+                streak.broken();
+                return Ok(claim);
+            }
+        }
+        Err(pg_error("claim kept losing write races; giving up"))
+    }
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     fn name(&self) -> &'static str {
@@ -90,44 +143,10 @@ impl Store for PostgresStore {
                     // and what it finds moves the streak.
                 }
             }
-            for _ in 0..CLAIM_ATTEMPTS {
-                // Each statement's future in a box of its own (see `client`).
-                let (session, fresh) = (&client, &params[..9]);
-                let read = |stmt: Statement| -> Pending<'_, Row> {
-                    Box::pin(async move { session.query_one(&stmt, fresh).await })
-                };
-                let row = self
-                    .on(&client, &self.inner.sql.claim_fresh, read)
-                    .await
-                    .map_err(pg_error)?;
-                if row
-                    .try_get::<_, i64>(CLAIM_COLUMN_COUNT + 1)
-                    .map_err(pg_error)?
-                    == 1
-                {
-                    streak.inserted();
-                    return Ok(Claim::Acquired { took_over: false });
-                }
-                let (Some(current), now) = decode_claim_read(key, &row)? else {
-                    // Not inserted, yet no row to see: another caller's claim committed
-                    // after this statement's snapshot was taken. Look again.
-                    continue;
-                };
-                let (claim, write) = decide_claim(Some(&current), request, now);
-                if write.is_none() {
-                    streak.found();
-                    return Ok(in_local_clock(claim, now));
-                }
-                if self
-                    .row_on(&client, &self.inner.sql.claim, &params)
-                    .await?
-                    .is_some()
-                {
-                    streak.broken();
-                    return Ok(claim);
-                }
-            }
-            Err(pg_error("claim kept losing write races; giving up"))
+            // Boxed: its states (a row, a record, a decision, across a second
+            // statement) would double the size of the future every claim makes,
+            // past the 1,032 bytes glibc's per-thread cache serves.
+            Box::pin(self.claim_statement(&client, key, request, &params)).await
         })
         .await
     }
