@@ -917,20 +917,23 @@ pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {
 pub(crate) const MILLIS_I32: Duration = Duration::from_millis(i32::MAX as u64);
 
 /// Checks a store's timeout as the store is built: a
-/// [`StoreErrorKind::Config`](crate::error::StoreErrorKind::Config) error
-/// if it is zero where `zero_fails` (a network store, whose every operation would
-/// then fail), or longer than `most`, rather than a store that fails every call or an
-/// error (or a panic) from its database's driver on first use.
+/// [`StoreErrorKind::Config`](crate::error::StoreErrorKind::Config) error if it is
+/// shorter than `least` (a network store's every operation would fail at zero; Postgres
+/// takes its lock timeout in whole milliseconds, and reads zero as none) or longer than
+/// `most`, rather than a store that fails every call, or an error (or a panic) from its
+/// database's driver on first use.
 #[cfg(any(feature = "postgres", feature = "redis", feature = "sqlite"))]
 pub(crate) fn check_timeout(
     store: &'static str,
     timeout: Duration,
-    zero_fails: bool,
+    least: Duration,
     most: Duration,
 ) -> Result<(), Error> {
-    let why = if zero_fails && timeout.is_zero() {
-        "a timeout of zero would fail every operation: give it one that lasts a round trip"
-            .to_owned()
+    let why = if timeout < least {
+        format!(
+            "a timeout of {timeout:?} is shorter than the {store} store can keep ({least:?}): \
+             give it one that lasts a round trip"
+        )
     } else if timeout > most {
         format!("a timeout of {timeout:?} is longer than the {store} store can keep ({most:?})")
     } else {

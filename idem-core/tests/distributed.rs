@@ -1743,8 +1743,9 @@ fn a_sync_tool_on_a_network_store_runs_once_inside_spawn_blocking_on_either_runt
 
 /// A timeout no network store can keep is refused as the store is built, with a
 /// `Config` error that says why: zero (every operation would fail), and for Postgres
-/// one over `i32::MAX` milliseconds (its `lock_timeout` refused it at connect, with
-/// "invalid value for parameter"). No server is needed: building connects to nothing.
+/// one under a millisecond (its `lock_timeout` of 0 ms is none) or over `i32::MAX`
+/// milliseconds (refused at connect, with "invalid value for parameter"). No server
+/// is needed: building connects to nothing.
 #[test]
 fn a_network_store_refuses_a_timeout_it_cannot_keep() {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -1773,8 +1774,19 @@ fn a_network_store_refuses_a_timeout_it_cannot_keep() {
             .build()
             .map(drop)
     };
-    refused(postgres(Duration::ZERO), "a timeout of zero");
-    refused(redis(Duration::ZERO), "a timeout of zero");
+    refused(
+        postgres(Duration::ZERO),
+        "shorter than the postgres store can keep",
+    );
+    refused(
+        redis(Duration::ZERO),
+        "shorter than the redis store can keep",
+    );
+    // Postgres reads a lock timeout of 0 ms as none.
+    refused(
+        postgres(Duration::from_micros(999)),
+        "shorter than the postgres store can keep",
+    );
     refused(
         postgres(Duration::MAX),
         "longer than the postgres store can keep",
@@ -1787,6 +1799,7 @@ fn a_network_store_refuses_a_timeout_it_cannot_keep() {
     // What each can keep is built.
     postgres(most).unwrap();
     postgres(Duration::from_millis(1)).unwrap();
+    redis(Duration::from_nanos(1)).unwrap();
     redis(Duration::MAX).unwrap();
 }
 

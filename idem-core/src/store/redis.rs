@@ -300,7 +300,7 @@ impl RedisStoreBuilder {
     /// called inside a tokio runtime (the connection manager lives on it); elsewhere it
     /// is an [`Error::Store`].
     pub fn build(self) -> Result<RedisStore, Error> {
-        crate::store::check_timeout(STORE, self.timeout, true, Duration::MAX)?;
+        crate::store::check_timeout(STORE, self.timeout, Duration::from_nanos(1), Duration::MAX)?;
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(redis_error(
                 "a RedisStore must be built inside a tokio runtime, which drives its connection",

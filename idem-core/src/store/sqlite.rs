@@ -299,7 +299,7 @@ impl SqliteStore {
             timeout,
             table,
         } = builder;
-        crate::store::check_timeout("sqlite", timeout, false, crate::store::MILLIS_I32)?;
+        crate::store::check_timeout("sqlite", timeout, Duration::ZERO, crate::store::MILLIS_I32)?;
         if !is_identifier(&table) {
             return Err(Error::store_of_kind(
                 "sqlite",

@@ -38,10 +38,10 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The bound on every operation, connecting included (5 seconds by default): more
-    /// than zero and at most `i32::MAX` milliseconds (about 24.8 days, the most
-    /// Postgres' `lock_timeout` takes), or building the store fails with a
-    /// [`StoreErrorKind::Config`] error.
+    /// The bound on every operation, connecting included (5 seconds by default): from
+    /// 1 millisecond to `i32::MAX` milliseconds (about 24.8 days): Postgres takes its
+    /// `lock_timeout` in whole milliseconds, up to that. Outside, building the store
+    /// fails with a [`StoreErrorKind::Config`] error.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -58,7 +58,12 @@ impl PostgresStoreBuilder {
     /// Builds the store without connecting: connections open on first use. Does not
     /// create the table; call [`PostgresStore::migrate`].
     pub fn build(self) -> Result<PostgresStore, Error> {
-        crate::store::check_timeout(STORE, self.timeout, true, crate::store::MILLIS_I32)?;
+        crate::store::check_timeout(
+            STORE,
+            self.timeout,
+            Duration::from_millis(1),
+            crate::store::MILLIS_I32,
+        )?;
         let table = quote_table(&self.table)?;
         let mut config: tokio_postgres::Config = self.url.parse().map_err(|e| {
             Error::store_of_kind(
