@@ -1,9 +1,10 @@
 //! A miss's blocks fit glibc's per-thread cache (1,032 bytes at most): a larger block is
 //! found, and freed, in the arena's bins on every call, and a request for one first
 //! consolidates the arena's fast bins. In a long-lived process whose heap has those,
-//! the memory store's miss took 6.9 µs where a miss whose blocks fit took 4.2 µs (the
-//! bench, one build after the other). A miss's futures are boxed where they are large
-//! so that each box fits: the claim in a box of its own, the rest held once.
+//! the memory store's miss took 5.5-6.1 µs, and 3.8 µs once its blocks fit (the bench,
+//! one build after the other); what it cost before depended on the heap's state and
+//! the binary's layout. A miss's futures are boxed where they are large so that each
+//! box fits: the claim in a box of its own, the rest held once.
 //!
 //! Counted with a counting global allocator: this file is its own test binary, with one
 //! test, so nothing else allocates meanwhile.

@@ -38,10 +38,10 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The bound on every operation, connecting included (5 seconds by default): from
-    /// 1 millisecond to `i32::MAX` milliseconds (about 24.8 days): Postgres takes its
-    /// `lock_timeout` in whole milliseconds, up to that. Outside, building the store
-    /// fails with a [`StoreErrorKind::Config`] error.
+    /// The bound on every operation, connecting included (5 seconds by default):
+    /// between 1 millisecond and `i32::MAX` milliseconds (about 24.8 days), as Postgres
+    /// takes its `lock_timeout` in whole milliseconds up to that; outside, building the
+    /// store fails with a [`StoreErrorKind::Config`] error.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
