@@ -316,11 +316,7 @@ pub(crate) fn miss<'a>(
     Box::pin(
         async move {
             let report = call.resume(handover);
-            // Boxed: the claim's states are the largest of a miss's, and in this future
-            // would put it over 1,032 bytes, the most glibc's per-thread cache serves
-            // (a larger block is found, and freed, in the arena's bins, on every miss).
-            let claiming = Box::pin(claim::claim_key(&call, report, caches_errors));
-            let (owner, report) = match claiming.await? {
+            let (owner, report) = match claim::claim_key(&call, report, caches_errors).await? {
                 Acquired::Owner(owner, report) => (owner, report),
                 Acquired::Stored {
                     report,

@@ -305,9 +305,7 @@ where
     let span = call.span().clone();
     async move {
         let report = call.resume(handover);
-        // Boxed: the claim's states are the largest of a miss's, and in this future
-        // they would put it over the allocator's thread cache (see `finish::miss`).
-        let acquired = Box::pin(claim::claim_key(&call, report, C::STORED.is_some())).await?;
+        let acquired = claim::claim_key(&call, report, C::STORED.is_some()).await?;
         let (owner, report) = match replay::<R, C>(&call, acquired, None)? {
             Acquisition::Replay(output) => return Ok(output),
             Acquisition::Owner(owner, report) => (owner, report),
