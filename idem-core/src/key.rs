@@ -530,6 +530,72 @@ mod tests {
         }
     }
 
+    /// Known answers: the exact keys of a few inputs, fixed when written. A change to
+    /// the canonical writer, the encoding of the parts or the key's text that moves
+    /// any of them moves every stored key, and a retry across the upgrade runs again.
+    #[test]
+    fn keys_are_the_ones_stored_before() {
+        #[derive(Serialize)]
+        struct Email {
+            to: String,
+            cc: Vec<String>,
+            subject: String,
+            body: String,
+            tags: HashMap<String, String>,
+            shape: Shape,
+        }
+        /// Pairs written in this order, a key twice: kept both, in the order written.
+        struct Written(&'static [(&'static str, u32)]);
+        impl Serialize for Written {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+            }
+        }
+        let email = Email {
+            to: "ada@example.com".into(),
+            cc: vec!["b\\o\"b".into(), "\u{7}".into()],
+            subject: "héllo\n".into(),
+            body: "x".repeat(300),
+            tags: [
+                ("zeta", "1"),
+                ("a\nb", "2"),
+                ("\"", "3"),
+                ("campaign-b", "4"),
+                ("campaign-a", "5"),
+                ("", "6"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+            shape: Shape::Struct {
+                z: 0.5,
+                a: Some(true),
+            },
+        };
+        let written = Written(&[("b", 1), ("a", 2), ("b", 3), ("\u{1f}", 4), ("é", 5)]);
+        let key = |value: &dyn KeyInput| {
+            let parts = KeyParts {
+                tenant: Some("acme"),
+                run_id: "run-7",
+                call_id: None,
+                tool: "send_email",
+            };
+            Key::of(parts.tool, &Fingerprint::of_args(&parts, &[value]).unwrap()).to_string()
+        };
+        assert_eq!(
+            key(&email),
+            "send_email.e36a9a6c298943ca081626a18d10cd4cf17db2f579bc576162ac17818ff49171"
+        );
+        assert_eq!(
+            key(&written),
+            "send_email.ec3f9f466240dc149449a8c658f762cc2dd84d4404a1b7c578e910ca2e0ba80c"
+        );
+        assert_eq!(
+            key(&serde_json::json!({"b": [1, {"y": null, "x": 2.0}], "a": -0.0})),
+            "send_email.32350556a0b40919a22778bfe3f2b593a4755b11d5aef0f4e33324f6d723418a"
+        );
+    }
+
     fn canon<T: Serialize>(v: &T) -> String {
         String::from_utf8(canonical_json(v).unwrap()).unwrap()
     }
