@@ -47,10 +47,16 @@ struct Entry {
 /// and sorts first either way); keys with equal heads are compared whole. Most keys
 /// differ within eight bytes, so sorting an object's entries seldom reads their text.
 fn head(key: &[u8]) -> u64 {
-    let mut first = [0u8; 8];
-    let n = key.len().min(8);
-    first[..n].copy_from_slice(&key[..n]);
-    u64::from_be_bytes(first)
+    match key.first_chunk::<8>() {
+        Some(first) => u64::from_be_bytes(*first),
+        // Shifted in, then up into place (a copy into an array of eight would call
+        // `memcpy` for a length known only here).
+        None => key
+            .iter()
+            .fold(0u64, |h, &b| (h << 8) | u64::from(b))
+            .checked_shl(8 * (8 - key.len() as u32))
+            .unwrap_or(0),
+    }
 }
 
 thread_local! {
@@ -760,6 +766,38 @@ mod tests {
         let mut out = Vec::new();
         write_str(&mut out, s.as_bytes());
         String::from_utf8(out).unwrap()
+    }
+
+    /// A `Serialize` impl that breaks serde's contract: a key written twice with no
+    /// value between keeps the second, and a key never given a value is dropped, as
+    /// serde_json's own `Value` serializer does.
+    #[test]
+    fn a_key_without_a_value_is_dropped() {
+        use serde::ser::SerializeMap;
+        struct Odd(&'static [&'static str]);
+        impl Serialize for Odd {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut map = s.serialize_map(None)?;
+                for step in self.0 {
+                    match step.strip_prefix('=') {
+                        Some(value) => map.serialize_value(value)?,
+                        None => map.serialize_key(step)?,
+                    }
+                }
+                map.end()
+            }
+        }
+        let canon = |steps| {
+            let mut out = Vec::new();
+            write(&mut out, &Odd(steps)).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        assert_eq!(canon(&["b", "=1", "a", "=2"]), r#"{"a":"2","b":"1"}"#);
+        assert_eq!(canon(&["b", "a", "=2"]), r#"{"a":"2"}"#);
+        assert_eq!(canon(&["b", "=1", "\n", "a", "=2"]), r#"{"a":"2","b":"1"}"#);
+        assert_eq!(canon(&["b", "=1", "a"]), r#"{"b":"1"}"#);
+        assert_eq!(canon(&["a"]), "{}");
+        assert_eq!(canon(&["z", "=1", "y", "=2", "x"]), r#"{"y":"2","z":"1"}"#);
     }
 
     #[test]
